@@ -1,0 +1,125 @@
+"""The graph contract between the exporter and the engine (see ../shared/DESIGN.md).
+
+Input and output names of an exported model, the LoRA target modules, and the manifest that
+describes an exported model directory. Pure data: imports neither onnxruntime nor torch.
+
+Graph inputs (T packed tokens, B sequences, S LoRA segments):
+  input_ids                  int64 [T]
+  position_ids               int64 [T]
+  cumulative_sequence_length int32 [B + 1]
+  past_seqlens               int32 [B]
+  block_table                int32 [B, max_blocks]
+  slot_mapping               int32 [T]
+  logits_indices             int64 [B]      rows of T whose logits are returned
+  key_cache.{l}, value_cache.{l}  [num_pages, block_size, kv_heads, head_dim]  pool views
+  lora_seg_starts            int32 [S + 1]  token segments, ordered by adapter slot
+  lora_seg_slots             int32 [S]      slot of each segment, -1 = base model only
+  lora_{m}_a_offsets         int64 [num_slots, max_rank_m]  per target module m
+  lora_{m}_b_offsets         int64 [num_slots, max_rank_m]
+  lora_{m}_ranks             int32 [num_layers, num_slots]
+  lora_{m}_scales            float [num_layers, num_slots]
+Output:
+  logits                     float [B, vocab]
+
+LoRA weight placement (what LoraSGMV reads): in layer l, the pool share of that layer is
+seen as one flat array, key_cache.{l} followed by value_cache.{l}. Row j of A (length in_m)
+of the adapter in slot s starts at element a_offsets[s, j]; row j of B^T (length out_m) at
+b_offsets[s, j]. An adapter occupies the same pages in every layer, so offsets are shared by
+all layers; ranks and scales are per layer (rank_pattern / alpha_pattern / layers_to_transform).
+No row straddles a page half, so a row is contiguous in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+OPS_DOMAIN = "ort_lora"
+MANIFEST_NAME = "ort_lora_manifest.json"
+MODEL_NAME = "model.onnx"
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+CU_SEQLENS = "cumulative_sequence_length"
+PAST_SEQLENS = "past_seqlens"
+BLOCK_TABLE = "block_table"
+SLOT_MAPPING = "slot_mapping"
+LOGITS_INDICES = "logits_indices"
+LORA_SEG_STARTS = "lora_seg_starts"
+LORA_SEG_SLOTS = "lora_seg_slots"
+LOGITS = "logits"
+
+
+def key_cache_name(layer: int) -> str:
+    return f"key_cache.{layer}"
+
+
+def value_cache_name(layer: int) -> str:
+    return f"value_cache.{layer}"
+
+
+def lora_input_name(module: str, kind: str) -> str:
+    """kind is one of a_offsets, b_offsets, ranks, scales."""
+    assert module in LORA_MODULES and kind in ("a_offsets", "b_offsets", "ranks", "scales")
+    return f"lora_{module}_{kind}"
+
+
+@dataclass
+class ModelManifest:
+    """Everything the engine needs to know about an exported model directory."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    device: str  # "cpu" | "cuda"
+    # module name -> {"in": in_features, "out": out_features}
+    lora_targets: dict[str, dict[str, int]]
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+    ops_version: str = "0.1.0"
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = set(self.lora_targets) - set(LORA_MODULES)
+        if unknown:
+            raise ValueError(
+                f"unknown LoRA target modules {sorted(unknown)}; "
+                f"expected a subset of {list(LORA_MODULES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def page_elems(self) -> int:
+        """Elements in one layer's K (or V) half of a page."""
+        return self.block_size * self.num_kv_heads * self.head_dim
+
+    def save(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / MANIFEST_NAME
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> ModelManifest:
+        path = Path(model_dir) / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{model_dir} is not an exported ort-lora model: "
+                f"no {MANIFEST_NAME} (run `ort-lora export` first)"
+            )
+        return cls(**json.loads(path.read_text()))
