@@ -1,0 +1,296 @@
+"""Tokenizer layer: encode/decode, chat templates and incremental detokenization.
+
+Reads the files an exported model directory carries (the ones `transformers`'
+`save_pretrained` writes): tokenizer.json (the Hugging Face `tokenizers` backend) and
+tokenizer_config.json (special tokens, chat template; the template may also live in
+chat_template.jinja or chat_template.json). Imports neither torch nor transformers.
+
+Chat templates render in a sandboxed jinja2 environment configured the way transformers does
+(trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, a `tojson` that
+does not escape HTML, `{% generation %}` blocks), so rendered prompts match it exactly.
+
+Stop strings: `IncrementalDetokenizer` handles them (vLLM semantics): text that could be the
+start of a stop string is held back, a matched stop string ends the output and is cut from it
+unless `include_stop_str_in_output`. The engine only has to check `stopped`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# vLLM starts incremental decoding this many prompt tokens back, for sentencepiece context.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, or rejected the messages (its `raise_exception`)."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders
+    its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def read_chat_template(model_dir: str | Path) -> str | None:
+    """The chat template stored in `model_dir` (also used for adapter dirs), or None.
+
+    Looks in chat_template.jinja, chat_template.json, then tokenizer_config.json; a dict of
+    named templates yields the one named "default"."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text()
+    template = None
+    if (model_dir / "chat_template.json").is_file():
+        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+    elif (model_dir / CONFIG_FILE).is_file():
+        template = json.loads((model_dir / CONFIG_FILE).read_text()).get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+class Tokenizer:
+    """A model's tokenizer: the `tokenizers` backend plus its config (special tokens, chat
+    template)."""
+
+    def __init__(self, backend: _Backend, config: dict | None = None, chat_template=None):
+        self.backend = backend
+        self.config = dict(config or {})
+        self.chat_template: str | None = chat_template
+        self.special_tokens = {
+            key: _token_content(self.config.get(key))
+            for key in SPECIAL_TOKEN_KEYS
+            if self.config.get(key) is not None
+        }
+        self.all_special_ids = sorted(
+            tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json + tokenizer_config.json (+ chat template) from `model_dir`."""
+        model_dir = Path(model_dir)
+        path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir}: no {TOKENIZER_FILE} (expected a tokenizer)")
+        config = {}
+        if (model_dir / CONFIG_FILE).is_file():
+            config = json.loads((model_dir / CONFIG_FILE).read_text())
+        return cls(_Backend.from_file(str(path)), config, read_chat_template(model_dir))
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.special_tokens.get("bos_token"))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.special_tokens.get("eos_token"))
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    # -- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids; raises ValueError naming an id outside the vocabulary."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        **kwargs,
+    ) -> str:
+        """Render `messages` ([{"role", "content"}, ...]) with `template` (default: the
+        model's), as transformers' `apply_chat_template(..., tokenize=False)` does."""
+        source = template or self.chat_template
+        if not source:
+            raise ChatTemplateError(
+                "this model has no chat template (none in tokenizer_config.json or "
+                "chat_template.jinja); use the completions API instead"
+            )
+        context = {**self.special_tokens, **kwargs}
+        context.setdefault("tools", None)
+        context.setdefault("documents", None)
+        try:
+            return _compile_template(source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), **kwargs) -> IncrementalDetokenizer:
+        """A new per-request IncrementalDetokenizer (see its arguments)."""
+        return IncrementalDetokenizer(self, prompt_ids, **kwargs)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas, one request at a time.
+
+    Decodes a short window (the previous tokens plus the new ones) and emits only the text
+    beyond the window's previous decode, and only once it no longer ends in an incomplete
+    UTF-8 sequence (U+FFFD): byte-level and sentencepiece pieces come out right (vLLM's
+    prefix_offset / read_offset scheme). With `stop` strings, text that could begin a stop
+    string is held back until it cannot; a match sets `stopped` and cuts the output there.
+    Concatenating every `add` delta and the final `finish()` gives `text`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        context = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = context  # context tokens, then generated ones
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._decoded = ""  # stable text of the generated tokens
+        self._emitted = 0  # chars of _decoded already returned
+        self.stopped: str | None = None  # the stop string that ended the output
+
+    @property
+    def text(self) -> str:
+        """The output text so far, as `add`/`finish` have returned it."""
+        return self._decoded[: self._emitted]
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Feed newly generated token id(s); return the new text that is safe to show."""
+        if self.stopped is not None:
+            return ""
+        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        self._decode_window(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of generation: return all text still held back (incomplete UTF-8 included)."""
+        if self.stopped is not None:
+            return ""
+        self._decode_window(final=True)
+        return self._release(final=True)
+
+    def _decode_window(self, final: bool) -> None:
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        full = decode(self._ids[self._prefix_offset :], skip)
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self._decoded += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def _release(self, final: bool) -> str:
+        end = len(self._decoded)
+        if self.stop:
+            end = self._match_stop(end, final)
+        delta = self._decoded[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+    def _match_stop(self, end: int, final: bool) -> int:
+        """Cut at the first complete stop string, else hold back a possible stop prefix."""
+        # Text before _emitted holds no stop string and no stop begins there (it was held back).
+        hits = [(self._decoded.find(s, self._emitted), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            index, stop = min(hits)
+            self.stopped = stop
+            cut = index + len(stop) if self.include_stop_str_in_output else index
+            self._decoded = self._decoded[:cut]
+            return cut
+        if final:
+            return end
+        return end - self._stop_prefix_len()
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop."""
+        tail = self._decoded[self._emitted :]
+        best = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(tail)), best, -1):
+                if tail.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
