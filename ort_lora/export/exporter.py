@@ -1,0 +1,175 @@
+"""export_model: checkpoint directory or GGUF file -> ort-lora model directory.
+
+The model directory holds model.onnx (+ model.onnx.data), ort_lora_manifest.json, tokenizer
+files and generation_config.json. It is written into a temporary sibling directory and renamed
+into place at the end, so a failed export never leaves a half-written OUTDIR.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ort_lora import contract as C
+from ort_lora.export.arch import ArchConfig, arch_config
+from ort_lora.export.assets import make_manifest, write_generation_config, write_tokenizer
+from ort_lora.export.decoder import MSFT, expected_tensor_count
+from ort_lora.export.errors import ExportError
+from ort_lora.export.external_data import DATA_SUFFIX, ExternalDataWriter, save_model
+from ort_lora.export.families import BUILDERS
+from ort_lora.export.graph import FLOAT_DTYPES, GraphBuilder
+from ort_lora.export.loader import open_checkpoint
+
+DEVICE_DTYPES = {"cpu": ("float32",), "cuda": ("float16", "bfloat16")}
+EXTRA_KEYS = {"max_position_embeddings": int}
+
+
+def export_model(
+    model_path,
+    out_dir,
+    *,
+    lora_targets=None,
+    dtype: str = "float32",
+    block_size: int = 16,
+    device: str = "cpu",
+    force: bool = False,
+    progress: bool = True,
+    extra: dict | None = None,
+) -> Path:
+    """Export a local HF checkpoint dir or .gguf file to `out_dir`; returns out_dir.
+
+    lora_targets: iterable of module names (default: all seven linear modules).
+    dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
+    extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows.
+    Raises ExportError with a message for users on any bad input.
+    """
+    targets = _check_targets(lora_targets)
+    extra = _check_extra(extra)
+    _check_device_dtype(device, dtype)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ExportError(f"block size must be a positive integer, got {block_size!r}")
+    out_dir = Path(out_dir).expanduser()
+    _check_out_dir(out_dir, force)
+    source = open_checkpoint(model_path)
+    cfg = arch_config(source.config, source.generation_config)
+    if "max_position_embeddings" in extra:
+        cfg.max_position_embeddings = extra["max_position_embeddings"]
+    _check_page_fits_rows(cfg, targets, block_size)
+    options = dict(
+        lora_targets=targets, dtype=dtype, block_size=block_size, device=device, extra=extra
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
+    try:
+        _write_graph(cfg, source, tmp, options, progress)
+        make_manifest(cfg, source, options).save(tmp)
+        write_tokenizer(source, tmp)
+        write_generation_config(source, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bool) -> None:
+    from tqdm import tqdm
+
+    writer = ExternalDataWriter(tmp / (C.MODEL_NAME + DATA_SUFFIX))
+    graph = GraphBuilder(writer, f"ort_lora_{cfg.family}")
+    bar = tqdm(
+        total=expected_tensor_count(cfg, source.names()),
+        unit="tensor",
+        desc="writing tensors",
+        disable=not progress,
+    )
+    try:
+        builder = BUILDERS[cfg.family](
+            cfg,
+            source,
+            graph,
+            dtype=options["dtype"],
+            device=options["device"],
+            lora_targets=options["lora_targets"],
+            block_size=options["block_size"],
+            progress=bar,
+        )
+        builder.build()
+    finally:
+        bar.close()
+        writer.close()
+    opsets = {"": 17, MSFT: 1, C.OPS_DOMAIN: 1}
+    save_model(graph.model(opsets), tmp / C.MODEL_NAME)
+
+
+def _check_targets(lora_targets) -> list[str]:
+    if lora_targets is None:
+        return list(C.LORA_MODULES)
+    if isinstance(lora_targets, str):
+        lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
+    targets = list(dict.fromkeys(lora_targets))
+    unknown = [t for t in targets if t not in C.LORA_MODULES]
+    if unknown:
+        raise ExportError(
+            f"unknown LoRA target module(s) {', '.join(unknown)}; "
+            f"expected a subset of {','.join(C.LORA_MODULES)}"
+        )
+    return [m for m in C.LORA_MODULES if m in targets]  # canonical order
+
+
+def _check_device_dtype(device: str, dtype: str) -> None:
+    if device not in DEVICE_DTYPES:
+        raise ExportError(f"unknown device {device!r}; expected one of {', '.join(DEVICE_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; expected one of {', '.join(FLOAT_DTYPES)}")
+    if dtype not in DEVICE_DTYPES[device]:
+        raise ExportError(
+            f"dtype {dtype} is not supported on device {device}; "
+            f"use {' or '.join(DEVICE_DTYPES[device])}"
+        )
+
+
+def _check_extra(extra: dict | None) -> dict:
+    out = {}
+    for key, value in (extra or {}).items():
+        if key not in EXTRA_KEYS:
+            raise ExportError(f"unknown --extra key {key!r}; known: {', '.join(EXTRA_KEYS)}")
+        try:
+            out[key] = EXTRA_KEYS[key](value)
+        except ValueError:
+            raise ExportError(f"--extra {key}={value!r}: expected an integer") from None
+    return out
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"output path {out_dir} exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return
+    if not force:
+        raise ExportError(
+            f"output directory {out_dir} already exists; pass --force (force=True) to replace it"
+        )
+    if not (out_dir / C.MANIFEST_NAME).is_file():
+        raise ExportError(
+            f"output directory {out_dir} exists and is not an ort-lora export "
+            f"(no {C.MANIFEST_NAME}); refusing to replace it even with --force"
+        )
+
+
+def _check_page_fits_rows(cfg: ArchConfig, targets: list[str], block_size: int) -> None:
+    page = block_size * cfg.num_kv_heads * cfg.head_dim
+    sizes = cfg.module_sizes()
+    widest = max((max(sizes[m]["in"], sizes[m]["out"]) for m in targets), default=0)
+    if widest > page:
+        need = -(-widest // (cfg.num_kv_heads * cfg.head_dim))
+        raise ExportError(
+            f"block size {block_size} is too small for LoRA rows of {widest} elements: a page "
+            f"half holds block_size * kv_heads * head_dim = {page}; use --block-size >= {need}"
+        )

@@ -1,0 +1,141 @@
+"""Checkpoint readers: a local Hugging Face directory (safetensors, sharded or not) or a GGUF
+file (through transformers' GGUF support, dequantized). Never touches the network.
+
+Both expose the same small interface, `CheckpointSource`: the config dict, the generation
+config dict, and tensors fetched one at a time by their Hugging Face name, so the exporter can
+convert and write each tensor before reading the next.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from ort_lora.export.errors import ExportError
+
+
+class CheckpointSource:
+    """Tensors and configs of one checkpoint, read lazily by Hugging Face tensor name."""
+
+    config: dict
+    generation_config: dict
+    path: Path
+
+    def names(self) -> set[str]:
+        raise NotImplementedError
+
+    def get(self, name: str):
+        """The tensor `name` as a torch.Tensor in its stored dtype."""
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+
+class SafetensorsDirSource(CheckpointSource):
+    """A local Hugging Face checkpoint directory: config.json + *.safetensors."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        self.config = _read_json(path / "config.json")
+        gen = path / "generation_config.json"
+        self.generation_config = _read_json(gen) if gen.is_file() else {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            others = sorted(p.name for p in path.glob("*.bin")) + sorted(
+                p.name for p in path.glob("*.pt")
+            )
+            hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+            raise ExportError(f"no weights: {path} has no *.safetensors files{hint}")
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as e:  # a truncated or foreign file
+                raise ExportError(f"cannot read weights file {f}: {e}") from None
+            self._handles[f] = handle
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                self._where[name] = f
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str):
+        if name not in self._where:
+            raise ExportError(f"checkpoint {self.path} lacks the tensor {name!r}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+class GGUFSource(CheckpointSource):
+    """A .gguf file, dequantized to float32 by transformers (needs the `gguf` package)."""
+
+    def __init__(self, path: Path):
+        require_gguf()
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
+        except Exception as e:
+            raise ExportError(f"cannot load GGUF file {path}: {e}") from None
+        self.config = model.config.to_dict()
+        self.generation_config = model.generation_config.to_dict()
+        self._tensors = dict(model.state_dict())
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str):
+        if name not in self._tensors:
+            raise ExportError(f"GGUF model {self.path} lacks the tensor {name!r}")
+        return self._tensors[name]
+
+
+def require_gguf() -> None:
+    """Raise an ExportError unless the `gguf` package can be imported."""
+    try:
+        if sys.modules.get("gguf", False) is None:
+            raise ImportError("gguf is disabled")
+        importlib.import_module("gguf")
+    except ImportError:
+        raise ExportError(
+            "reading GGUF files needs the `gguf` package: pip install 'gguf>=0.10'"
+        ) from None
+
+
+def open_checkpoint(model_path: str | Path) -> CheckpointSource:
+    """A CheckpointSource for a checkpoint directory or a .gguf file, or an ExportError."""
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ExportError(
+            f"model path {path} does not exist (expected a checkpoint directory "
+            "with config.json and *.safetensors, or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ExportError(
+                f"{path} is a file but not a .gguf file; pass a checkpoint "
+                "directory or a .gguf file"
+            )
+        return GGUFSource(path)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return GGUFSource(ggufs[0])
+        raise ExportError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return SafetensorsDirSource(path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"cannot read {path}: {e}") from None

@@ -1,0 +1,184 @@
+"""One forward step of an exported model through ONNX Runtime with IOBinding.
+
+The paged pool is ONE numpy array [num_layers, 2 (K|V), num_pages, block_size, kv_heads,
+head_dim], allocated once; every key_cache.{l} / value_cache.{l} input is bound once to a view
+of it (pool[l, 0] / pool[l, 1], C-contiguous, shared memory: the ops write KV and read adapter
+rows in place). Each step binds only the small metadata inputs and fetches the logits.
+
+`build_step_inputs` turns explicit per-sequence metadata (new token ids, past length, block
+table) into the graph's metadata inputs with "no LoRA" defaults, so tests and `--verify` run
+the model without an engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ort_lora import contract as C
+
+POOL_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass
+class StepTiming:
+    """Host-side time of the last step, in seconds: binding inputs, ORT run, output fetch."""
+
+    bind_s: float = 0.0
+    run_s: float = 0.0
+    fetch_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Time spent outside ORT's run: binding the inputs and fetching the logits."""
+        return self.bind_s + self.fetch_s
+
+
+@dataclass
+class SequenceStep:
+    """One sequence's share of a step: its new tokens, cached length and block table."""
+
+    token_ids: list[int]  # new tokens of this step (prefill chunk or one decode token)
+    past_len: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # pool pages of this sequence, in order
+    logits_rows: list[int] | None = None  # rows of token_ids to return; default: the last
+
+    def __post_init__(self):
+        if not self.token_ids:
+            raise ValueError("a sequence step needs at least one new token")
+        if self.past_len < 0:
+            raise ValueError(f"past_len must be >= 0, got {self.past_len}")
+
+
+def build_step_inputs(manifest: C.ModelManifest, seqs: list[SequenceStep]) -> dict:
+    """The metadata inputs of one step for `seqs`, with LoRA disabled (one segment, slot -1).
+
+    Token i of sequence b sits at position past_len + i, in page
+    block_table[pos // block_size], row pos % block_size.
+    """
+    bs = manifest.block_size
+    ids, pos, slots, rows = [], [], [], []
+    cu = [0]
+    max_blocks = max(len(s.block_table) for s in seqs)
+    table = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int32)  # [B, max_blocks]
+    for b, s in enumerate(seqs):
+        p = np.arange(s.past_len, s.past_len + len(s.token_ids))
+        if (p[-1] // bs) >= len(s.block_table):
+            raise ValueError(
+                f"sequence {b}: position {p[-1]} needs {p[-1] // bs + 1} blocks of {bs}, "
+                f"its block table has {len(s.block_table)}"
+            )
+        table[b, : len(s.block_table)] = s.block_table
+        pages = np.asarray(s.block_table)[p // bs]
+        ids += list(s.token_ids)
+        pos += p.tolist()
+        slots += (pages * bs + p % bs).tolist()
+        local = s.logits_rows if s.logits_rows is not None else [len(s.token_ids) - 1]
+        rows += [cu[-1] + r for r in local]
+        cu.append(cu[-1] + len(s.token_ids))
+    inputs = {
+        C.INPUT_IDS: np.asarray(ids, dtype=np.int64),  # [T]
+        C.POSITION_IDS: np.asarray(pos, dtype=np.int64),  # [T]
+        C.CU_SEQLENS: np.asarray(cu, dtype=np.int32),  # [B + 1]
+        C.PAST_SEQLENS: np.asarray([s.past_len for s in seqs], dtype=np.int32),  # [B]
+        C.BLOCK_TABLE: table,
+        C.SLOT_MAPPING: np.asarray(slots, dtype=np.int32),  # [T]
+        C.LOGITS_INDICES: np.asarray(rows, dtype=np.int64),  # [N]
+    }
+    inputs.update(no_lora_inputs(manifest, len(ids)))
+    return inputs
+
+
+def no_lora_inputs(manifest: C.ModelManifest, num_tokens: int) -> dict:
+    """LoRA inputs that apply no adapter: one segment of all tokens in slot -1, and one
+    dummy slot of rank 0 for every target module."""
+    out = {
+        C.LORA_SEG_STARTS: np.asarray([0, num_tokens], dtype=np.int32),  # [S + 1]
+        C.LORA_SEG_SLOTS: np.asarray([-1], dtype=np.int32),  # [S]
+    }
+    for m in manifest.lora_targets:
+        out[C.lora_input_name(m, "a_offsets")] = np.zeros((1, 1), dtype=np.int64)
+        out[C.lora_input_name(m, "b_offsets")] = np.zeros((1, 1), dtype=np.int64)
+        out[C.lora_input_name(m, "ranks")] = np.zeros((manifest.num_layers, 1), dtype=np.int32)
+        out[C.lora_input_name(m, "scales")] = np.zeros((manifest.num_layers, 1), np.float32)
+    return out
+
+
+@dataclass
+class ModelSession:
+    """An exported model loaded in ONNX Runtime (CPU), with its paged pool bound once.
+
+    session.pool: numpy [num_layers, 2, num_pages, block_size, kv_heads, head_dim]; the
+    adapter registry writes adapter rows into it. session.run(inputs) -> logits [N, vocab].
+    """
+
+    model_dir: str | Path
+    num_pages: int
+    intra_op_num_threads: int | None = None
+    timing: StepTiming = field(default_factory=StepTiming, init=False)
+
+    def __post_init__(self):
+        import onnxruntime as ort
+
+        import ort_lora
+
+        self.model_dir = Path(self.model_dir)
+        self.manifest = C.ModelManifest.load(self.model_dir)
+        if self.manifest.device != "cpu":
+            raise ValueError(
+                f"{self.model_dir} was exported for device {self.manifest.device}; "
+                "ModelSession runs CPU exports (device cpu, float32)"
+            )
+        if self.num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        opts = {"intra_op_num_threads": self.intra_op_num_threads}
+        opts = {k: v for k, v in opts.items() if v is not None}
+        self.ort_session = ort.InferenceSession(
+            str(self.model_dir / C.MODEL_NAME),
+            sess_options=ort_lora.session_options(**opts),
+            providers=["CPUExecutionProvider"],
+        )
+        self._input_names = {i.name for i in self.ort_session.get_inputs()}
+        self._bind_pool()
+
+    def _bind_pool(self) -> None:
+        import onnxruntime as ort
+
+        m = self.manifest
+        shape = (m.num_layers, 2, self.num_pages, m.block_size, m.num_kv_heads, m.head_dim)
+        self.pool = np.zeros(shape, dtype=POOL_DTYPES[m.dtype])  # allocated once, never copied
+        self.binding = self.ort_session.io_binding()
+        self._pool_values = []  # keep the OrtValues (and so the views) alive
+        for layer in range(m.num_layers):
+            for half, name in ((0, C.key_cache_name(layer)), (1, C.value_cache_name(layer))):
+                view = self.pool[layer, half]
+                assert view.flags.c_contiguous  # ORT would copy it, losing in-place writes
+                value = ort.OrtValue.ortvalue_from_numpy(view)
+                self.binding.bind_ortvalue_input(name, value)
+                self._pool_values.append(value)
+        self.binding.bind_output(C.LOGITS, "cpu")
+
+    def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """One step: bind the metadata inputs, run, return logits float32 [N, vocab]."""
+        t0 = time.perf_counter()
+        keep = []
+        for name, value in inputs.items():
+            if name not in self._input_names:
+                continue  # e.g. position_ids when the graph does not read it
+            arr = np.ascontiguousarray(value)
+            keep.append(arr)
+            self.binding.bind_cpu_input(name, arr)
+        t1 = time.perf_counter()
+        self.ort_session.run_with_iobinding(self.binding)
+        t2 = time.perf_counter()
+        logits = self.binding.copy_outputs_to_cpu()[0]
+        t3 = time.perf_counter()
+        self.timing = StepTiming(bind_s=t1 - t0, run_s=t2 - t1, fetch_s=t3 - t2)
+        return logits
+
+    def step(self, seqs: list[SequenceStep]) -> np.ndarray:
+        """run(build_step_inputs(...)) for explicit, LoRA-free sequence metadata."""
+        return self.run(build_step_inputs(self.manifest, seqs))
