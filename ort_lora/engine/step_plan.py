@@ -1,0 +1,187 @@
+"""StepPlan: what one forward pass runs (a value), and the graph metadata arrays it implies.
+
+The scheduler returns a StepPlan; the engine turns it into graph inputs with
+`build_metadata(plan, block_size)` (numpy only) and asks the adapter registry for the
+per-module LoRA arrays from `plan.adapters` [(slot, adapter_id, pages)].
+
+Ordering: entries are sorted by adapter slot, base requests (slot -1) FIRST, so every
+adapter's tokens are one contiguous LoRA segment. Slots are 0..k-1 over this step's
+distinct adapters. Within a slot, entries keep the scheduler's order (decodes first).
+
+Logits: each entry lists `logit_rows`, offsets inside its chunk whose logits the graph
+returns, in order; the step's `logits` output has one row per listed offset, entry after
+entry (entry i's rows start at `entries[i].logits_offset`). A chunk that reaches the end of
+the sequence's tokens is sampled from its LAST logit row (`sample`); a prompt chunk of a
+request that wants prompt logprobs also returns its prompt rows. A mid-prompt chunk without
+prompt logprobs returns no row, so a step may return fewer rows than sequences (even 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ort_lora import contract as C
+
+BASE_SLOT = -1
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the new tokens run this step (a chunk, or 1 in decode)
+    start_pos: int  # tokens already in the KV cache = position of token_ids[0]
+    block_table: tuple[int, ...]  # pool pages of its KV blocks, in order
+    slot: int  # adapter slot in this step, BASE_SLOT (-1) for the base model
+    logit_rows: tuple[int, ...]  # offsets in token_ids whose logits are returned, ascending
+    sample: bool  # the chunk reaches the end of the tokens: sample from the last logit row
+    num_prompt_logit_rows: int = 0  # leading logit_rows that are prompt-logprob rows
+    logits_offset: int = 0  # index of this entry's first row in the step's logits output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sample_row(self) -> int | None:
+        """Row of the step's logits output to sample from, None if nothing is sampled."""
+        return self.logits_offset + len(self.logit_rows) - 1 if self.sample else None
+
+
+@dataclass(frozen=True)
+class StepAdapter:
+    """An adapter used in this step: its slot, pool pages, and whether to copy it in first."""
+
+    slot: int
+    adapter_id: Hashable
+    pages: tuple[int, ...]
+    needs_load: bool  # its pages were just allocated: load the weights before the run
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: entries ordered by slot (base first), adapters by slot, preempted ids."""
+
+    entries: tuple[ScheduledSeq, ...]
+    adapters: tuple[StepAdapter, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return sum(len(e.logit_rows) for e in self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+    @property
+    def loads(self) -> tuple[StepAdapter, ...]:
+        """Adapters whose weights must be copied into their pages before this step runs."""
+        return tuple(a for a in self.adapters if a.needs_load)
+
+
+def make_plan(
+    entries: Iterable[ScheduledSeq],
+    adapters: Iterable[StepAdapter],
+    preempted: Iterable[str] = (),
+) -> StepPlan:
+    """Sort entries by slot (stable, base first) and set each entry's logits_offset."""
+    ordered, offset = [], 0
+    for e in sorted(entries, key=lambda e: e.slot):
+        ordered.append(replace(e, logits_offset=offset))
+        offset += len(e.logit_rows)
+    slots = sorted(adapters, key=lambda a: a.slot)
+    assert [a.slot for a in slots] == list(range(len(slots))), "adapter slots must be 0..k-1"
+    return StepPlan(tuple(ordered), tuple(slots), tuple(preempted))
+
+
+class MetadataBuffers:
+    """Reusable flat buffers; build_metadata returns C-contiguous views into them.
+
+    The views stay valid (and their addresses stable while capacity suffices) until the next
+    build_metadata call with the same buffers, which overwrites them.
+    """
+
+    def __init__(self):
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, values: np.ndarray, dtype) -> np.ndarray:
+        """Copy values into the named buffer (grown on demand); return a same-shape view."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < values.size:
+            buf = np.empty(max(values.size, 2 * (0 if buf is None else buf.size)), dtype)
+            self._bufs[name] = buf
+        view = buf[: values.size].reshape(values.shape)
+        np.copyto(view, values, casting="unsafe")
+        return view
+
+
+def build_metadata(
+    plan: StepPlan,
+    block_size: int,
+    *,
+    max_blocks: int | None = None,
+    buffers: MetadataBuffers | None = None,
+) -> dict[str, np.ndarray]:
+    """Graph inputs of ort_lora.contract for a plan, except the per-module LoRA arrays.
+
+    Returns (T tokens, B = len(plan.entries), R = plan.num_logit_rows, S segments):
+      input_ids int64 [T], position_ids int64 [T], cumulative_sequence_length int32 [B+1],
+      past_seqlens int32 [B], block_table int32 [B, W] padded with -1 (W = max_blocks or the
+      longest table), slot_mapping int32 [T], logits_indices int64 [R],
+      lora_seg_starts int32 [S+1], lora_seg_slots int32 [S] (one segment per slot, -1 = base).
+    """
+    if plan.is_empty:
+        raise ValueError("build_metadata: the plan schedules no sequence")
+    bufs = buffers or MetadataBuffers()
+    entries = plan.entries
+    lens = np.array([e.num_tokens for e in entries], np.int64)  # [B]
+    starts = np.array([e.start_pos for e in entries], np.int64)  # [B]
+    cu = np.concatenate([[0], np.cumsum(lens)])  # [B+1]
+    seq_of_tok = np.repeat(np.arange(len(entries)), lens)  # [T]
+    positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[seq_of_tok]  # [T]
+    table = _block_table(entries, block_size, max_blocks)  # [B, W]
+    pages = table[seq_of_tok, positions // block_size]  # [T]
+    assert (pages >= 0).all(), "a token position lies beyond its sequence's block table"
+    logit_rows = [cu[i] + np.array(e.logit_rows, np.int64) for i, e in enumerate(entries)]
+    seg_starts, seg_slots = _segments(entries, cu)
+    out = {
+        C.INPUT_IDS: (np.concatenate([e.token_ids for e in entries]), np.int64),
+        C.POSITION_IDS: (positions, np.int64),
+        C.CU_SEQLENS: (cu, np.int32),
+        C.PAST_SEQLENS: (starts, np.int32),
+        C.BLOCK_TABLE: (table, np.int32),
+        C.SLOT_MAPPING: (pages * block_size + positions % block_size, np.int32),
+        C.LOGITS_INDICES: (np.concatenate(logit_rows), np.int64),
+        C.LORA_SEG_STARTS: (seg_starts, np.int32),
+        C.LORA_SEG_SLOTS: (seg_slots, np.int32),
+    }
+    return {name: bufs.put(name, np.asarray(v), dt) for name, (v, dt) in out.items()}
+
+
+def _block_table(entries, block_size: int, max_blocks: int | None) -> np.ndarray:
+    """[B, W] int64 block tables padded with -1 (the attention op reads only needed blocks)."""
+    width = max(len(e.block_table) for e in entries)
+    if max_blocks is not None:
+        if max_blocks < width:
+            raise ValueError(f"max_blocks {max_blocks} < the longest block table ({width})")
+        width = max_blocks
+    table = np.full((len(entries), max(width, 1)), -1, np.int64)
+    for i, e in enumerate(entries):
+        table[i, : len(e.block_table)] = e.block_table
+    return table
+
+
+def _segments(entries, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One token segment per run of equal slots: starts [S+1] and slots [S]."""
+    slots = np.array([e.slot for e in entries], np.int64)  # [B], sorted
+    first = np.flatnonzero(np.concatenate([[True], slots[1:] != slots[:-1]]))  # [S]
+    return np.append(cu[first], cu[-1]), slots[first]
