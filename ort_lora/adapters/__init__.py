@@ -1,0 +1,23 @@
+"""PEFT LoRA adapters: parsing and validation, host form, pool layout, registry."""
+
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
+from ort_lora.adapters.host import HostAdapter, ModuleWeights, load_adapter
+from ort_lora.adapters.layout import layout, num_pages_needed, packing, write_to_pool
+from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
+from ort_lora.adapters.registry import AdapterRegistry
+
+__all__ = [
+    "AdapterError",
+    "AdapterNotFoundError",
+    "AdapterPathError",
+    "AdapterRegistry",
+    "HostAdapter",
+    "ModuleWeights",
+    "PeftLoraConfig",
+    "layout",
+    "load_adapter",
+    "num_pages_needed",
+    "packing",
+    "read_config",
+    "write_to_pool",
+]

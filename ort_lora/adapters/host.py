@@ -1,0 +1,190 @@
+"""Load a PEFT adapter directory into its host form, validated against the model manifest.
+
+Host form (float32, per target module m of the adapter):
+  a      [num_layers, max_rank_m, in_m]   A rows; rows >= rank of a layer are zero
+  bt     [num_layers, max_rank_m, out_m]  B^T rows (PEFT stores B as [out, r])
+  ranks  int32 [num_layers]               0 where the layer has no LoRA on m
+  scales float32 [num_layers]             PEFT's scaling of that layer's module
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ort_lora.adapters.errors import AdapterError
+from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
+from ort_lora.adapters.safetensors_io import load_float32
+from ort_lora.contract import LORA_MODULES, ModelManifest
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+# base_model.model.<key>.lora_{A,B}[.<adapter name>].weight; key ends in layers.<l>.<block>.<m>
+_TENSOR_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<key>(?:.*\.)?layers\.(?P<layer>\d+)\.[^.]+\.(?P<module>[^.]+))"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+
+
+@dataclass
+class ModuleWeights:
+    """One target module's LoRA weights over all layers (see the module docstring)."""
+
+    a: np.ndarray  # [num_layers, max_rank, in]
+    bt: np.ndarray  # [num_layers, max_rank, out]
+    ranks: np.ndarray  # int32 [num_layers]
+    scales: np.ndarray  # float32 [num_layers]
+
+    @property
+    def max_rank(self) -> int:
+        return self.a.shape[1]
+
+    def layer_a(self, layer: int) -> np.ndarray:
+        return self.a[layer, : self.ranks[layer]]  # [r_l, in]
+
+    def layer_bt(self, layer: int) -> np.ndarray:
+        return self.bt[layer, : self.ranks[layer]]  # [r_l, out]
+
+
+@dataclass
+class HostAdapter:
+    """A converted adapter, ready to be laid out into pool pages."""
+
+    name: str
+    path: Path
+    modules: dict[str, ModuleWeights] = field(default_factory=dict)
+    _packings: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's cache
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.bt.nbytes for w in self.modules.values())
+
+
+def resolve_weights(adapter_dir: Path) -> Path:
+    """The adapter's safetensors file; refuses pickle-only adapters (never unpickled)."""
+    if adapter_dir.is_file():
+        if adapter_dir.suffix in PICKLE_SUFFIXES:
+            raise AdapterError(
+                f"{adapter_dir}: pickle weight files are refused; safetensors only "
+                f"(pass the adapter directory holding {WEIGHTS_NAME})"
+            )
+        raise AdapterError(f"{adapter_dir}: expected an adapter directory, got a file")
+    if not adapter_dir.is_dir():
+        raise AdapterError(f"{adapter_dir}: adapter directory does not exist")
+    weights = adapter_dir / WEIGHTS_NAME
+    if weights.is_file():
+        return weights
+    pickles = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterError(
+            f"{adapter_dir}: weights only as pickle files {pickles}; safetensors only "
+            f"(re-save with save_pretrained(safe_serialization=True) to get {WEIGHTS_NAME})"
+        )
+    raise AdapterError(f"{adapter_dir}: no {WEIGHTS_NAME}")
+
+
+def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) -> HostAdapter:
+    """Read, validate and convert a PEFT LoRA adapter directory; AdapterError on any problem."""
+    adapter_dir = Path(adapter_dir)
+    weights = resolve_weights(adapter_dir)
+    config = read_config(adapter_dir)
+    tensors = load_float32(weights)
+    pairs = _pair_tensors(tensors, config, manifest, weights)
+    if not pairs:
+        raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
+    return HostAdapter(name, adapter_dir, _stack_modules(pairs, config, manifest))
+
+
+def _example() -> str:
+    return "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, where: Path) -> dict:
+    """{(module, layer): (key, A [r, in], B [out, r])}, every tensor checked."""
+    halves: dict[tuple[str, int], dict[str, tuple[str, np.ndarray]]] = {}
+    for tname, t in tensors.items():
+        m = _TENSOR_RE.match(tname)
+        if m is None:
+            raise AdapterError(f"{where}: tensor {tname!r} is not a LoRA A/B weight of a layer")
+        module, layer = m.group("module"), int(m.group("layer"))
+        _check_target(tname, m.group("key"), module, layer, config, manifest, where)
+        halves.setdefault((module, layer), {})[m.group("ab")] = (tname, t)
+    pairs = {}
+    for (module, layer), ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            have = next(iter(ab))
+            missing = "B" if have == "A" else "A"
+            raise AdapterError(
+                f"{where}: tensor {ab[have][0]!r} has no matching lora_{missing} tensor"
+            )
+        key = _TENSOR_RE.match(ab["A"][0]).group("key")
+        _check_shapes(ab, module, config.rank(key), manifest, where)
+        pairs[(module, layer)] = (key, ab["A"][1], ab["B"][1])
+    return pairs
+
+
+def _check_target(tname, key, module, layer, config, manifest, where) -> None:
+    if module not in LORA_MODULES:
+        raise AdapterError(
+            f"{where}: tensor {tname!r} targets module {module!r}; "
+            f"supported LoRA modules are {list(LORA_MODULES)}"
+        )
+    if module not in manifest.lora_targets:
+        raise AdapterError(
+            f"{where}: tensor {tname!r} targets {module!r}, which the exported model does not "
+            f"target (exported LoRA targets: {sorted(manifest.lora_targets)}); re-export with it"
+        )
+    if not 0 <= layer < manifest.num_layers:
+        raise AdapterError(
+            f"{where}: tensor {tname!r} is for layer {layer}; "
+            f"the model has layers 0..{manifest.num_layers - 1}"
+        )
+    if not config.targets(key):
+        raise AdapterError(
+            f"{where}: tensor {tname!r} is for module {key!r}, which adapter_config.json "
+            f"(target_modules / layers_to_transform / exclude_modules) does not select"
+        )
+
+
+def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
+    dims = manifest.lora_targets[module]
+    (a_name, a), (b_name, b) = ab["A"], ab["B"]
+    if a.shape != (rank, dims["in"]):
+        raise AdapterError(
+            f"{where}: tensor {a_name!r} has shape {list(a.shape)}; expected "
+            f"[r={rank}, in={dims['in']}] (rank from adapter_config.json, in from the model)"
+        )
+    if b.shape != (dims["out"], rank):
+        raise AdapterError(
+            f"{where}: tensor {b_name!r} has shape {list(b.shape)}; expected "
+            f"[out={dims['out']}, r={rank}] (rank from adapter_config.json, out from the model)"
+        )
+
+
+def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest) -> dict:
+    modules = {}
+    num_layers = manifest.num_layers
+    for module in LORA_MODULES:
+        layers = {layer: v for (m, layer), v in pairs.items() if m == module}
+        if not layers:
+            continue
+        dims = manifest.lora_targets[module]
+        max_rank = max(a.shape[0] for _, a, _ in layers.values())
+        w = ModuleWeights(
+            a=np.zeros((num_layers, max_rank, dims["in"]), np.float32),
+            bt=np.zeros((num_layers, max_rank, dims["out"]), np.float32),
+            ranks=np.zeros(num_layers, np.int32),
+            scales=np.zeros(num_layers, np.float32),
+        )
+        for layer, (key, a, b) in layers.items():
+            r = a.shape[0]
+            w.a[layer, :r] = a
+            w.bt[layer, :r] = b.T
+            w.ranks[layer] = r
+            w.scales[layer] = config.scaling(key)
+        modules[module] = w
+    return modules

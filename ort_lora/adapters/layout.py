@@ -1,0 +1,138 @@
+"""Where an adapter's LoRA rows live inside its pool pages (the contract in ort_lora/contract.py).
+
+In layer l the pool share is one flat array: key_cache.{l} then value_cache.{l}, so half h of
+page p starts at flat element (h * num_pages + p) * page_elems. An adapter owns a list of
+pages, the same in every layer, i.e. 2 * len(pages) "halves" of page_elems elements each.
+Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m) are packed
+first-fit-decreasing into those halves, so no row straddles a half. The packing depends only on
+the adapter and page_elems; the page list just maps half i to page pages[i // 2], half i % 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ort_lora.adapters.errors import AdapterError
+
+if TYPE_CHECKING:
+    from ort_lora.adapters.host import HostAdapter
+    from ort_lora.contract import ModelManifest
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Row placement relative to the adapter's halves: half index and offset inside the half."""
+
+    num_halves: int
+    # module -> (a_half [R], a_rel [R], b_half [R], b_rel [R]), all int64
+    rows: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+    @property
+    def num_pages(self) -> int:
+        return (self.num_halves + 1) // 2
+
+
+def packing(adapter: HostAdapter, page_elems: int) -> Packing:
+    """First-fit-decreasing packing of every row of the adapter (cached on the adapter)."""
+    cache = adapter._packings
+    if page_elems not in cache:
+        cache[page_elems] = _pack(adapter, page_elems)
+    return cache[page_elems]
+
+
+def _pack(adapter: HostAdapter, page_elems: int) -> Packing:
+    items = []  # (length, module, kind, row)
+    for m, w in adapter.modules.items():
+        for kind, length in (("a", w.a.shape[2]), ("b", w.bt.shape[2])):
+            if length > page_elems:
+                raise AdapterError(
+                    f"adapter {adapter.name!r}: module {m} rows of length {length} do not fit a "
+                    f"page half of {page_elems} elements; export with a larger block_size"
+                )
+            items += [(length, m, kind, j) for j in range(w.max_rank)]
+    items.sort(key=lambda it: -it[0])  # stable: module order kept among equal lengths
+    free: list[int] = []  # remaining elements of each half
+    place = {}
+    for length, m, kind, j in items:
+        h = next((i for i, f in enumerate(free) if f >= length), len(free))
+        if h == len(free):
+            free.append(page_elems)
+        place[m, kind, j] = (h, page_elems - free[h])
+        free[h] -= length
+    rows = {}
+    for m, w in adapter.modules.items():
+        a = np.array([place[m, "a", j] for j in range(w.max_rank)], np.int64).reshape(-1, 2)
+        b = np.array([place[m, "b", j] for j in range(w.max_rank)], np.int64).reshape(-1, 2)
+        rows[m] = (a[:, 0], a[:, 1], b[:, 0], b[:, 1])
+    return Packing(len(free), rows)
+
+
+def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
+    """Pool pages the adapter occupies (the same pages in every layer)."""
+    return packing(adapter, manifest.page_elems).num_pages
+
+
+def layout(
+    adapter: HostAdapter, pages, manifest: ModelManifest, num_pages: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m]) for these pages.
+
+    Offsets are flat element offsets into one layer's pool share (key_cache then value_cache)
+    of a pool with num_pages pages.
+    """
+    pe = manifest.page_elems
+    pk = packing(adapter, pe)
+    half_start = _half_starts(adapter, pages, pk, num_pages, pe)  # [num_halves]
+    return {
+        m: (half_start[ah] + arel, half_start[bh] + brel)
+        for m, (ah, arel, bh, brel) in pk.rows.items()
+    }
+
+
+def _half_starts(adapter, pages, pk: Packing, num_pages: int, page_elems: int) -> np.ndarray:
+    pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+    if len(pages) < pk.num_pages:
+        raise AdapterError(f"adapter {adapter.name!r} needs {pk.num_pages} pages, got {len(pages)}")
+    if len(np.unique(pages)) != len(pages) or pages.min() < 0 or pages.max() >= num_pages:
+        raise AdapterError(
+            f"adapter {adapter.name!r}: pages {pages.tolist()} must be distinct and in "
+            f"[0, {num_pages})"
+        )
+    half = np.arange(pk.num_halves)
+    return (half % 2 * num_pages + pages[half // 2]) * page_elems  # [num_halves]
+
+
+def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray) -> None:
+    """Copy every row of every layer of the adapter into its pages of the pool.
+
+    pool: C-contiguous [num_layers, 2, num_pages, block_size, kv_heads, head_dim], any float
+    dtype (rows are cast). One strided copy per row covers all layers at once.
+    """
+    if pool.ndim != 6 or not pool.flags.c_contiguous:
+        raise AdapterError(
+            f"pool must be a C-contiguous [num_layers, 2, num_pages, block, kv_heads, head_dim] "
+            f"array, got shape {pool.shape} (contiguous={pool.flags.c_contiguous})"
+        )
+    num_layers, _, num_pages = pool.shape[:3]
+    page_elems = int(np.prod(pool.shape[3:]))
+    flat = pool.reshape(num_layers, -1)  # [L, 2 * num_pages * page_elems], a view
+    pk = packing(adapter, page_elems)
+    half_start = _half_starts(adapter, pages, pk, num_pages, page_elems)
+    for m, w in adapter.modules.items():
+        if w.a.shape[0] != num_layers:
+            raise AdapterError(
+                f"adapter {adapter.name!r} has {w.a.shape[0]} layers; the pool has {num_layers}"
+            )
+        ah, arel, bh, brel = pk.rows[m]
+        _copy_rows(flat, w.a, half_start[ah] + arel)
+        _copy_rows(flat, w.bt, half_start[bh] + brel)
+
+
+def _copy_rows(flat: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> None:
+    """flat [L, E] <- rows [L, R, n] at starts [R]."""
+    n = rows.shape[2]
+    for j, s in enumerate(starts.tolist()):
+        flat[:, s : s + n] = rows[:, j]

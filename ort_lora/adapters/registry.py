@@ -1,0 +1,211 @@
+"""AdapterRegistry: registered adapters, a bounded host cache, and the per-step LoRA inputs.
+
+Pure bookkeeping over numpy: no onnxruntime, no torch. Which adapter sits in which pool pages
+is the pool / scheduler's business; the registry turns (slot, adapter, pages) into the
+lora_{m}_* graph inputs and copies an adapter's rows into pages on request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
+from ort_lora.adapters.host import HostAdapter, load_adapter
+from ort_lora.adapters.layout import layout, num_pages_needed, write_to_pool
+from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
+from ort_lora.lora_request import LoRARequest
+
+# (slot, adapter int id, pages) for each adapter slot of a step
+StepSlots = list[tuple[int, int, tuple[int, ...]]]
+_MAX_STEP_ENTRIES = 1024
+
+
+class AdapterRegistry:
+    """Adapters by name and int id; converted adapters cached on the host, LRU-bounded.
+
+    register() validates eagerly (a bad adapter fails there, with an AdapterError). Adapters
+    evicted from the host cache are reloaded from disk by get(). With adapter_root set, every
+    adapter path must resolve (symlinks followed) inside it, else AdapterPathError.
+    """
+
+    def __init__(
+        self,
+        manifest: ModelManifest,
+        max_cpu_loras: int = 8,
+        adapter_root: str | Path | None = None,
+    ):
+        if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int):
+            raise ValueError(f"max_cpu_loras must be an integer >= 1, got {max_cpu_loras!r}")
+        if max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be >= 1, got {max_cpu_loras}")
+        self.manifest = manifest
+        self.max_cpu_loras = max_cpu_loras
+        self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
+        self._requests: dict[int, LoRARequest] = {}
+        self._ids: dict[str, int] = {}
+        self._pages_needed: dict[int, int] = {}
+        self._host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
+        self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
+        self.stats = {"loads": 0, "host_hits": 0, "host_misses": 0, "host_evictions": 0}
+
+    # --- registration -------------------------------------------------------------------------
+
+    def register(self, request: LoRARequest) -> HostAdapter:
+        """Validate, convert and cache the adapter; idempotent for an identical request."""
+        old = self._requests.get(request.lora_int_id)
+        if old == request:
+            return self.get(request.lora_int_id)
+        if old is not None:
+            raise AdapterError(
+                f"lora_int_id {request.lora_int_id} is already registered as {old.lora_name!r} "
+                f"({old.lora_path}); unregister it first"
+            )
+        if request.lora_name in self._ids:
+            raise AdapterError(
+                f"adapter name {request.lora_name!r} is already registered with lora_int_id "
+                f"{self._ids[request.lora_name]}"
+            )
+        adapter = self._load(request)
+        self._requests[request.lora_int_id] = request
+        self._ids[request.lora_name] = request.lora_int_id
+        self._pages_needed[request.lora_int_id] = num_pages_needed(adapter, self.manifest)
+        self._cache(request.lora_int_id, adapter)
+        return adapter
+
+    def unregister(self, name_or_id: str | int) -> LoRARequest:
+        """Forget the adapter (host copy and cached step inputs included)."""
+        request = self.request(name_or_id)
+        aid = request.lora_int_id
+        del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
+        self._host.pop(aid, None)
+        for key in [k for k in self._step_parts if k[0] == aid]:
+            del self._step_parts[key]
+        self._last_step = None
+        return request
+
+    def request(self, name_or_id: str | int) -> LoRARequest:
+        """The LoRARequest registered under this name or int id; AdapterNotFoundError if none."""
+        aid = self._ids.get(name_or_id) if isinstance(name_or_id, str) else name_or_id
+        if aid not in self._requests:
+            known = sorted(self._ids)
+            raise AdapterNotFoundError(f"adapter not found: {name_or_id!r} (registered: {known})")
+        return self._requests[aid]
+
+    def __contains__(self, name_or_id: str | int) -> bool:
+        if isinstance(name_or_id, str):
+            return name_or_id in self._ids
+        return name_or_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def requests(self) -> list[LoRARequest]:
+        return list(self._requests.values())
+
+    # --- host cache ---------------------------------------------------------------------------
+
+    def get(self, name_or_id: str | int) -> HostAdapter:
+        """The converted adapter, from the host cache or reloaded from disk."""
+        aid = self.request(name_or_id).lora_int_id
+        if aid in self._host:
+            self.stats["host_hits"] += 1
+            self._host.move_to_end(aid)
+            return self._host[aid]
+        self.stats["host_misses"] += 1
+        adapter = self._load(self._requests[aid])
+        self._cache(aid, adapter)
+        return adapter
+
+    def cached_ids(self) -> list[int]:
+        """Int ids of the adapters in the host cache, least recently used first."""
+        return list(self._host)
+
+    def num_pages_needed(self, name_or_id: str | int) -> int:
+        """Pool pages the adapter occupies (known from registration, no reload)."""
+        return self._pages_needed[self.request(name_or_id).lora_int_id]
+
+    def _load(self, request: LoRARequest) -> HostAdapter:
+        path = self._check_path(request.lora_path)
+        adapter = load_adapter(request.lora_name, path, self.manifest)
+        self.stats["loads"] += 1
+        return adapter
+
+    def _cache(self, aid: int, adapter: HostAdapter) -> None:
+        self._host[aid] = adapter
+        self._host.move_to_end(aid)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+            self.stats["host_evictions"] += 1
+
+    def _check_path(self, path: str) -> Path:
+        resolved = Path(path).expanduser().resolve()
+        if self.adapter_root is not None and not resolved.is_relative_to(self.adapter_root):
+            raise AdapterPathError(
+                f"adapter path {path!r} resolves to {resolved}, outside the allowed adapter "
+                f"root {self.adapter_root}"
+            )
+        return resolved
+
+    # --- pool pages -----------------------------------------------------------------------------
+
+    def write_to_pool(self, name_or_id: str | int, pages, pool: np.ndarray) -> None:
+        """Copy the adapter's rows of every layer into its pages of the pool array."""
+        write_to_pool(self.get(name_or_id), pages, pool)
+
+    def lora_step_inputs(self, slots: StepSlots, num_pages: int) -> dict[str, np.ndarray]:
+        """The lora_{m}_{a_offsets,b_offsets,ranks,scales} graph inputs of one step.
+
+        slots: (slot, adapter int id, pages) per adapter slot; slots not listed (and modules an
+        adapter does not target) get rank 0; no slots -> one dummy slot of rank 0. num_pages:
+        pages in the pool. Cached per (adapter, pages); the returned arrays are shared with the
+        cache and must not be modified.
+        """
+        key = (num_pages, tuple((int(s), int(a), tuple(int(p) for p in pg)) for s, a, pg in slots))
+        if self._last_step is not None and self._last_step[0] == key:
+            return self._last_step[1]
+        slot_ids = [s for s, _, _ in key[1]]
+        if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
+            raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
+        parts = {slot: self._slot_part(aid, pages, num_pages) for slot, aid, pages in key[1]}
+        out = self._assemble(parts)
+        self._last_step = (key, out)
+        return out
+
+    def _slot_part(self, aid: int, pages: tuple, num_pages: int) -> dict:
+        """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L]) for one slot."""
+        key = (aid, pages, num_pages)
+        if key in self._step_parts:
+            self._step_parts.move_to_end(key)
+            return self._step_parts[key]
+        adapter = self.get(aid)
+        offsets = layout(adapter, pages, self.manifest, num_pages)
+        part = {m: (*offsets[m], w.ranks, w.scales) for m, w in adapter.modules.items()}
+        self._step_parts[key] = part
+        while len(self._step_parts) > _MAX_STEP_ENTRIES:
+            self._step_parts.popitem(last=False)
+        return part
+
+    def _assemble(self, parts: dict[int, dict]) -> dict[str, np.ndarray]:
+        num_slots = max(parts, default=0) + 1
+        num_layers = self.manifest.num_layers
+        out = {}
+        for m in (m for m in LORA_MODULES if m in self.manifest.lora_targets):
+            rank = max([len(p[m][0]) for p in parts.values() if m in p], default=1)
+            a_off = np.zeros((num_slots, rank), np.int64)
+            b_off = np.zeros((num_slots, rank), np.int64)
+            ranks = np.zeros((num_layers, num_slots), np.int32)
+            scales = np.zeros((num_layers, num_slots), np.float32)
+            for slot, p in parts.items():
+                if m in p:
+                    a, b, r, s = p[m]
+                    a_off[slot, : len(a)], b_off[slot, : len(b)] = a, b
+                    ranks[:, slot], scales[:, slot] = r, s
+            out[lora_input_name(m, "a_offsets")] = a_off
+            out[lora_input_name(m, "b_offsets")] = b_off
+            out[lora_input_name(m, "ranks")] = ranks
+            out[lora_input_name(m, "scales")] = scales
+        return out

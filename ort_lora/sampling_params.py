@@ -1,0 +1,112 @@
+"""SamplingParams: per-request decoding settings, vLLM's names, defaults and valid ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request (fields and ranges as vLLM's SamplingParams).
+
+    temperature 0 is greedy. top_k -1 or 0 disables top-k. stop accepts a string or a list and
+    is normalized to a list. logprobs / prompt_logprobs: how many top tokens to return per
+    position (the sampled / actual token is always included too); None = none returned.
+    Logprobs are the log-softmax of the raw model logits (vLLM's default "raw_logprobs").
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self._normalize()
+        self._check_ints()
+        self._check_floats()
+        self._check_stops()
+
+    def _normalize(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.is_greedy:
+            # As vLLM: greedy ignores the truncation settings.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _check_ints(self):
+        _check_int("n", self.n, 1)
+        _check_int("top_k", self.top_k, -1, hint="-1 or 0 (disabled) or >= 1")
+        if self.seed is not None:
+            _check_int("seed", self.seed, None)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+
+    def _check_floats(self):
+        _check_range("temperature", self.temperature, 0.0, None, "must be >= 0")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", low_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "must be in [-2, 2]")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "must be in [-2, 2]")
+        _check_range(
+            "repetition_penalty", self.repetition_penalty, 0.0, None, "must be > 0", low_open=True
+        )
+
+    def _check_stops(self):
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, 0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check_int(name: str, value, low: int | None, hint: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be {hint or f'>= {low}'}, got {value}")
+
+
+def _check_range(name, value, low, high, rule: str, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    below = value <= low if low_open else value < low
+    if below or (high is not None and value > high):
+        raise ValueError(f"{name} {rule}, got {value}")
