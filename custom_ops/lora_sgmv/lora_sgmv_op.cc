@@ -1,17 +1,200 @@
 #include "lora_sgmv/lora_sgmv_op.h"
 
+#include "lora_sgmv/lora_sgmv_cpu.h"
+
 namespace ort_lora {
+
+namespace {
+
+constexpr int64_t kMaxRank = 512;
+
+enum InputIndex : size_t {
+  kY,
+  kX,
+  kKeyCache,
+  kValueCache,
+  kSegStarts,
+  kSegSlots,
+  kAOffsets,
+  kBOffsets,
+  kRanks,
+  kScales
+};
+
+struct Inputs {
+  InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
+      scales;
+};
+
+constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+
+// Reads every input and checks rank, dtype and the dims the inputs share.
+Inputs ReadInputs(const Ort::KernelContext& ctx) {
+  Inputs in{GetInput(ctx, kY),          GetInput(ctx, kX),         GetInput(ctx, kKeyCache),
+            GetInput(ctx, kValueCache), GetInput(ctx, kSegStarts), GetInput(ctx, kSegSlots),
+            GetInput(ctx, kAOffsets),   GetInput(ctx, kBOffsets),  GetInput(ctx, kRanks),
+            GetInput(ctx, kScales)};
+  Expect(in.y, "y", 2, kFloat);
+  Expect(in.x, "x", 2, kFloat);
+  Expect(in.key_cache, "key_cache", 4, kFloat);
+  Expect(in.value_cache, "value_cache", 4, kFloat);
+  Expect(in.seg_starts, "seg_starts", 1, kInt32);
+  Expect(in.seg_slots, "seg_slots", 1, kInt32);
+  Expect(in.a_offsets, "a_offsets", 2, kInt64);
+  Expect(in.b_offsets, "b_offsets", 2, kInt64);
+  Expect(in.ranks, "ranks", 2, kInt32);
+  Expect(in.scales, "scales", 2, kFloat);
+  ExpectDim(in.x, "x", 0, in.y.shape[0], "T, the rows of y");
+  for (size_t d = 0; d < 4; ++d)
+    ExpectDim(in.value_cache, "value_cache", d, in.key_cache.shape[d], "the shape of key_cache");
+  ExpectDim(in.seg_starts, "seg_starts", 0, in.seg_slots.shape[0] + 1, "S + 1, S = len(seg_slots)");
+  ExpectDim(in.b_offsets, "b_offsets", 0, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(in.b_offsets, "b_offsets", 1, in.a_offsets.shape[1], "max_rank, as a_offsets");
+  ExpectDim(in.ranks, "ranks", 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
+  ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
+  return in;
+}
+
+void CheckSegStarts(const int32_t* starts, int64_t num_segments, int64_t num_rows) {
+  if (starts[0] != 0) Fail("seg_starts[0] must be 0, got ", starts[0]);
+  if (starts[num_segments] != num_rows)
+    Fail("seg_starts[", num_segments, "] must be T = ", num_rows, " (the rows of x), got ",
+         starts[num_segments]);
+  for (int64_t s = 0; s < num_segments; ++s)
+    if (starts[s + 1] < starts[s])
+      Fail("seg_starts is non-monotonic: seg_starts[", s + 1, "] = ", starts[s + 1],
+           " < seg_starts[", s, "] = ", starts[s]);
+}
+
+// The flat pool share of this layer: key_cache's elements, then value_cache's.
+struct PoolShare {
+  const float* key;
+  const float* value;
+  int64_t half;  // elements in each of key_cache and value_cache
+
+  // Start of the row of `len` elements at `offset`; it must lie inside one of the two halves.
+  const float* Row(int64_t offset, int64_t len, const char* name, int64_t slot, int64_t j) const {
+    if (offset >= 0 && offset + len <= half) return key + offset;
+    if (offset >= half && offset + len <= 2 * half) return value + (offset - half);
+    Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ", len,
+         " elements must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ",
+         2 * half, ")");
+  }
+};
+
+// The LoRA tables of one call, seen from one layer.
+struct Tables {
+  const int32_t* slots;  // [S]
+  const int64_t* a_off;  // [num_slots, max_rank]
+  const int64_t* b_off;  // [num_slots, max_rank]
+  const int32_t* ranks;  // [num_slots], this layer's row
+  const float* scales;   // [num_slots], this layer's row
+  int64_t num_slots, max_rank;
+};
+
+Tables ReadTables(const Inputs& in, int64_t layer) {
+  const int64_t num_slots = in.a_offsets.shape[0];
+  return {in.seg_slots.value.GetTensorData<int32_t>(),
+          in.a_offsets.value.GetTensorData<int64_t>(),
+          in.b_offsets.value.GetTensorData<int64_t>(),
+          in.ranks.value.GetTensorData<int32_t>() + layer * num_slots,
+          in.scales.value.GetTensorData<float>() + layer * num_slots,
+          num_slots,
+          in.a_offsets.shape[1]};
+}
+
+int64_t CheckedRank(const Tables& t, int64_t layer, int64_t slot) {
+  const int64_t rank = t.ranks[slot];
+  if (rank < 0 || rank > t.max_rank)
+    Fail("ranks[", layer, ", ", slot, "] = ", rank, " must be in [0, ", t.max_rank,
+         "] (max_rank, a_offsets.shape[1])");
+  if (rank > kMaxRank)
+    Fail("ranks[", layer, ", ", slot, "] = ", rank, " is a rank over the limit ", kMaxRank);
+  return rank;
+}
+
+// Appends the slot's rank A row pointers, then its rank B^T row pointers, checking each row.
+void AddSlotRows(const Tables& t, const PoolShare& pool, int64_t slot, int64_t rank,
+                 int64_t in_features, int64_t out_features, std::vector<const float*>& rows) {
+  for (int64_t j = 0; j < rank; ++j)
+    rows.push_back(pool.Row(t.a_off[slot * t.max_rank + j], in_features, "a_offsets", slot, j));
+  for (int64_t j = 0; j < rank; ++j)
+    rows.push_back(pool.Row(t.b_off[slot * t.max_rank + j], out_features, "b_offsets", slot, j));
+}
+
+// Validates slots, ranks and the offsets of every row a segment uses (once per slot) and
+// fills problem.segments with the active segments; `rows` holds their row pointers.
+void BuildSegments(const Tables& t, const PoolShare& pool, int64_t layer, const int32_t* starts,
+                   int64_t num_segments, SgmvProblem& problem, std::vector<const float*>& rows) {
+  std::vector<int64_t> slot_rows(t.num_slots, -1);  // where a slot's pointers start in rows
+  std::vector<int64_t> active;                      // segment indices
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t slot = t.slots[s];
+    if (slot < -1 || slot >= t.num_slots)
+      Fail("seg_slots[", s, "] = ", slot, " must be in [-1, ", t.num_slots, ") (num_slots)");
+    if (slot < 0 || starts[s] == starts[s + 1]) continue;
+    const int64_t rank = CheckedRank(t, layer, slot);
+    if (rank == 0) continue;
+    if (slot_rows[slot] < 0) {
+      slot_rows[slot] = static_cast<int64_t>(rows.size());
+      AddSlotRows(t, pool, slot, rank, problem.in_features, problem.out_features, rows);
+    }
+    active.push_back(s);
+  }
+  for (int64_t s : active) {  // rows no longer grows: its pointers are stable now
+    const int64_t slot = t.slots[s];
+    const float* const* base = rows.data() + slot_rows[slot];
+    problem.segments.push_back(
+        {starts[s], starts[s + 1], t.ranks[slot], t.scales[slot], base, base + t.ranks[slot]});
+  }
+}
+
+void OrtParallelFor(void* runner, void (*fn)(void*, size_t), size_t total, void* data) {
+  static_cast<const Ort::KernelContext*>(runner)->ParallelFor(fn, total, 0, data);
+}
+
+}  // namespace
 
 LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
+  if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
 }
 
 OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
   return GuardCompute("LoraSGMV", [&] { Compute(context); });
 }
 
-void LoraSgmvKernel::Compute(OrtKernelContext*) { Fail("not implemented yet"); }
+void LoraSgmvKernel::Compute(OrtKernelContext* context) {
+  Ort::KernelContext ctx(context);
+  const Inputs in = ReadInputs(ctx);
+  const int64_t num_layers = in.ranks.shape[0];
+  if (layer_ >= num_layers)
+    Fail("attribute 'layer' = ", layer_, " must be < num_layers = ", num_layers,
+         " (ranks.shape[0])");
+  const int64_t num_rows = in.y.shape[0];
+  const int64_t num_segments = in.seg_slots.shape[0];
+  const int32_t* starts = in.seg_starts.value.GetTensorData<int32_t>();
+  CheckSegStarts(starts, num_segments, num_rows);
+
+  const int64_t half = in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount();
+  const PoolShare pool{in.key_cache.value.GetTensorData<float>(),
+                       in.value_cache.value.GetTensorData<float>(), half};
+  SgmvProblem problem{in.x.value.GetTensorData<float>(),
+                      in.y.value.GetTensorData<float>(),
+                      nullptr,
+                      num_rows,
+                      in.x.shape[1],
+                      in.y.shape[1],
+                      {}};
+  std::vector<const float*> rows;
+  BuildSegments(ReadTables(in, layer_), pool, layer_, starts, num_segments, problem, rows);
+  problem.y_out = ctx.GetOutput(0, in.y.shape).GetTensorMutableData<float>();
+  LoraSgmvCpu(problem, OrtParallelFor, &ctx);
+}
 
 OrtStatusPtr LoraSgmvOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                         void** kernel) const {
@@ -20,12 +203,12 @@ OrtStatusPtr LoraSgmvOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* 
 
 ONNXTensorElementDataType LoraSgmvOp::GetInputType(size_t index) const {
   switch (index) {
-    case 4:
-    case 5:
-    case 8:
+    case kSegStarts:
+    case kSegSlots:
+    case kRanks:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-    case 6:
-    case 7:
+    case kAOffsets:
+    case kBOffsets:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     default:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

@@ -1,6 +1,6 @@
 // LoraSGMV (domain ort_lora, CPU, float32): the Punica SGMV operator over pool pages.
 //
-// Semantics (the numpy reference is ort_lora/ops/reference.py::lora_sgmv):
+// Semantics (the numpy reference is ort_lora/ops/lora_sgmv_ref.py::lora_sgmv):
 //   y_out = y; for each segment s with slot = seg_slots[s] >= 0 and r = ranks[layer, slot] > 0:
 //     rows t in [seg_starts[s], seg_starts[s+1]):
 //       v[t, j]  = sum_k x[t, k] * A_j[k]              j < r  (shrink)
@@ -22,6 +22,9 @@
 //   8 ranks       int32 [num_layers, num_slots]   0 <= rank <= max_rank
 //   9 scales      float [num_layers, num_slots]
 // Attribute: layer (int) selects the row of ranks and scales.
+// Limits: rank <= 512 (kMaxRank). Bad inputs (shapes, non-monotonic seg_starts, slot or rank
+// out of range, a used row outside key_cache / value_cache) fail with an error naming them;
+// offsets of rows j >= rank are never read. The kernel is lora_sgmv_cpu.h.
 #pragma once
 
 #include "common/ort_common.h"

@@ -1,0 +1,306 @@
+// LoraSGMV CPU kernel (float32): balanced work items, register-blocked micro-kernels written
+// with GCC vector extensions, compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and
+// selected at run time, so the library runs on any x86-64 without -march=native.
+#include "lora_sgmv/lora_sgmv_cpu.h"
+
+#include <algorithm>
+
+#define ORT_LORA_INLINE inline __attribute__((always_inline))
+
+namespace ort_lora {
+namespace {
+
+// Unaligned float vectors: 16 lanes for AVX-512, 8 for AVX2, 4 for the baseline (SSE2).
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+typedef float V4 __attribute__((vector_size(16), aligned(4)));
+
+template <typename V>
+ORT_LORA_INLINE V Load(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+ORT_LORA_INLINE void Store(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+ORT_LORA_INLINE float HSum(V4 a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+ORT_LORA_INLINE float HSum(V8 a) {
+  return HSum(V4{a[0], a[1], a[2], a[3]} + V4{a[4], a[5], a[6], a[7]});
+}
+ORT_LORA_INLINE float HSum(V16 a) {
+  return HSum(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// Shrink tile: v[i * ldv + j] = x_i . A_j for MR rows of x and NR rows of A (length k).
+template <typename V, int MR, int NR>
+ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const* a, int64_t k,
+                                float* v, int64_t ldv) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  V acc[MR][NR] = {};
+  int64_t kk = 0;
+  for (; kk + kLanes <= k; kk += kLanes) {
+    V xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = Load<V>(x + i * ldx + kk);
+    for (int j = 0; j < NR; ++j) {
+      const V av = Load<V>(a[j] + kk);
+      for (int i = 0; i < MR; ++i) acc[i][j] += xv[i] * av;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float s = HSum(acc[i][j]);
+      for (int64_t q = kk; q < k; ++q) s += x[i * ldx + q] * a[j][q];
+      v[i * ldv + j] = s;
+    }
+  }
+}
+
+// Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + scale * sum_j v[i * ldv + j] * Bt_j[...].
+template <typename V, int MR, int NQ>
+ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const* bt, int64_t r,
+                                int64_t c, float scale, const float* y, float* y_out, int64_t ldy) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  V acc[MR][NQ] = {};
+  for (int64_t j = 0; j < r; ++j) {
+    V b[NQ];
+    for (int q = 0; q < NQ; ++q) b[q] = Load<V>(bt[j] + c + q * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const float vij = v[i * ldv + j];
+      for (int q = 0; q < NQ; ++q) acc[i][q] += vij * b[q];
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int q = 0; q < NQ; ++q) {
+      const int64_t o = i * ldy + c + q * kLanes;
+      Store<V>(y_out + o, Load<V>(y + o) + scale * acc[i][q]);
+    }
+  }
+}
+
+// Columns [c, c_end) of one row, fewer than one vector: plain scalar code.
+ORT_LORA_INLINE void ExpandScalar(const float* v, const float* const* bt, int64_t r, int64_t c,
+                                  int64_t c_end, float scale, const float* y, float* y_out) {
+  for (; c < c_end; ++c) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < r; ++j) s += v[j] * bt[j][c];
+    y_out[c] = y[c] + scale * s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work items. A shrink item covers rows [row0, row1) x A rows [j0, j1) of one segment; an
+// expand item covers rows [row0, row1) x columns [c0, c1) of one segment (seg < 0: copy y).
+
+struct Item {
+  int64_t seg;
+  int64_t row0, row1;
+  int64_t lo, hi;  // shrink: A rows [lo, hi); expand: columns [lo, hi)
+};
+
+struct Plan {
+  const SgmvProblem* p;
+  std::vector<int64_t> v_base;  // per segment: offset of its v [n, r] in v
+  std::vector<float> v;         // shrink results of every segment
+  std::vector<Item> shrink;
+  std::vector<Item> expand;
+};
+
+template <typename V>
+ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
+  const Item& it = plan.shrink[index];
+  const SgmvProblem& p = *plan.p;
+  const SgmvSegment& s = p.segments[it.seg];
+  const int64_t k = p.in_features;
+  float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
+  const float* x = p.x + it.row0 * k;
+  const int64_t n = it.row1 - it.row0;
+  // A rows outer, x rows inner: a group of A rows stays in L1 while the x rows stream by.
+  int64_t j = it.lo;
+  for (; j + 4 <= it.hi; j += 4) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      ShrinkTile<V, 4, 4>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+    for (; t < n; ++t)
+      ShrinkTile<V, 1, 4>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+  }
+  for (; j < it.hi; ++j) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      ShrinkTile<V, 4, 1>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+    for (; t < n; ++t)
+      ShrinkTile<V, 1, 1>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+  }
+}
+
+// Rows [0, n) of one column strip [c, c + NQ * lanes): 4-row tiles, then single rows.
+template <typename V, int NQ>
+ORT_LORA_INLINE void ExpandStrip(const float* v, const SgmvSegment& s, int64_t n, int64_t c,
+                                 const float* y, float* y_out, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4)
+    ExpandTile<V, 4, NQ>(v + t * s.rank, s.rank, s.bt_rows, s.rank, c, s.scale, y + t * ldy,
+                         y_out + t * ldy, ldy);
+  for (; t < n; ++t)
+    ExpandTile<V, 1, NQ>(v + t * s.rank, s.rank, s.bt_rows, s.rank, c, s.scale, y + t * ldy,
+                         y_out + t * ldy, ldy);
+}
+
+template <typename V>
+ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const Item& it = plan.expand[index];
+  const SgmvProblem& p = *plan.p;
+  const int64_t ldy = p.out_features;
+  const float* y = p.y + it.row0 * ldy;
+  float* y_out = p.y_out + it.row0 * ldy;
+  const int64_t n = it.row1 - it.row0;
+  if (it.seg < 0) {
+    std::copy(y, y + n * ldy, y_out);
+    return;
+  }
+  const SgmvSegment& s = p.segments[it.seg];
+  const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
+  // Column strips outer, rows inner: a strip of the r rows of B^T stays in L1 across rows.
+  int64_t c = it.lo;
+  for (; c + 4 * kLanes <= it.hi; c += 4 * kLanes) ExpandStrip<V, 4>(v, s, n, c, y, y_out, ldy);
+  for (; c + kLanes <= it.hi; c += kLanes) ExpandStrip<V, 1>(v, s, n, c, y, y_out, ldy);
+  for (int64_t t = 0; t < n && c < it.hi; ++t)
+    ExpandScalar(v + t * s.rank, s.bt_rows, s.rank, c, it.hi, s.scale, y + t * ldy,
+                 y_out + t * ldy);
+}
+
+// One clone per instruction set; the vector width follows the widest registers available.
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(Plan& p, size_t i) {
+  ShrinkItemBody<V16>(p, i);
+}
+__attribute__((target("avx2,fma"))) void ShrinkAvx2(Plan& p, size_t i) { ShrinkItemBody<V8>(p, i); }
+void ShrinkBase(Plan& p, size_t i) { ShrinkItemBody<V4>(p, i); }
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(Plan& p, size_t i) {
+  ExpandItemBody<V16>(p, i);
+}
+__attribute__((target("avx2,fma"))) void ExpandAvx2(Plan& p, size_t i) { ExpandItemBody<V8>(p, i); }
+void ExpandBase(Plan& p, size_t i) { ExpandItemBody<V4>(p, i); }
+
+using ItemFn = void (*)(Plan&, size_t);
+struct Kernels {
+  ItemFn shrink;
+  ItemFn expand;
+};
+
+Kernels SelectKernels() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+    return {ShrinkAvx512, ExpandAvx512};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {ShrinkAvx2, ExpandAvx2};
+  return {ShrinkBase, ExpandBase};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning: split each segment into pieces of about equal cost (multiply-adds), so that a
+// decode call (many one-row segments) and a prefill call (few long segments) both give the
+// thread pool many similar items.
+
+constexpr int64_t kItemsPerPass = 64;      // enough items to balance any sane thread count
+constexpr int64_t kMinItemCost = 1 << 15;  // below this, dispatch overhead dominates
+constexpr int64_t kCopyItemFloats = 1 << 16;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Chunk length (a multiple of align, or all of n) that cuts n into about `pieces` chunks.
+int64_t ChunkLen(int64_t n, int64_t pieces, int64_t align) {
+  const int64_t len = CeilDiv(CeilDiv(n, std::max<int64_t>(pieces, 1)), align) * align;
+  return std::min(std::max(len, align), n);
+}
+
+// Appends items for rows [row0, row1) x [0, width): rows first (in `row_align` blocks), then
+// the second axis (in `lo_align` chunks) when the rows alone give too few pieces.
+void SplitSegment(int64_t seg, int64_t row0, int64_t row1, int64_t width, int64_t cost,
+                  int64_t target, int64_t lo_align, std::vector<Item>& out) {
+  const int64_t n = row1 - row0;
+  const int64_t pieces = std::max<int64_t>(1, CeilDiv(cost, target));
+  const int64_t row_len = ChunkLen(n, pieces, 4);
+  const int64_t lo_pieces = CeilDiv(pieces, CeilDiv(n, row_len));
+  const int64_t lo_len = ChunkLen(width, lo_pieces, lo_align);
+  for (int64_t r = row0; r < row1; r += row_len)
+    for (int64_t c = 0; c < width; c += lo_len)
+      out.push_back({seg, r, std::min(r + row_len, row1), c, std::min(c + lo_len, width)});
+}
+
+void PlanShrink(Plan& plan) {
+  const SgmvProblem& p = *plan.p;
+  int64_t total = 0;
+  for (const SgmvSegment& s : p.segments)
+    total += (s.row_end - s.row_begin) * s.rank * p.in_features;
+  const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
+  for (size_t i = 0; i < p.segments.size(); ++i) {
+    const SgmvSegment& s = p.segments[i];
+    const int64_t cost = (s.row_end - s.row_begin) * s.rank * p.in_features;
+    SplitSegment(i, s.row_begin, s.row_end, s.rank, cost, target, 4, plan.shrink);
+  }
+}
+
+void PlanExpand(Plan& plan) {
+  const SgmvProblem& p = *plan.p;
+  const int64_t out = p.out_features;
+  std::vector<const SgmvSegment*> order;
+  int64_t total = 0;
+  for (const SgmvSegment& s : p.segments) {
+    order.push_back(&s);
+    total += (s.row_end - s.row_begin) * (s.rank + 1) * out;
+  }
+  std::sort(order.begin(), order.end(),
+            [](const SgmvSegment* a, const SgmvSegment* b) { return a->row_begin < b->row_begin; });
+  const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
+  const int64_t copy_rows = std::max<int64_t>(1, kCopyItemFloats / std::max<int64_t>(out, 1));
+  int64_t row = 0;
+  auto add_copy = [&](int64_t end) {
+    for (; row < end; row += copy_rows)
+      plan.expand.push_back({-1, row, std::min(row + copy_rows, end), 0, out});
+  };
+  for (const SgmvSegment* s : order) {
+    add_copy(s->row_begin);
+    const int64_t cost = (s->row_end - s->row_begin) * (s->rank + 1) * out;
+    SplitSegment(s - p.segments.data(), s->row_begin, s->row_end, out, cost, target, 64,
+                 plan.expand);
+    row = s->row_end;
+  }
+  add_copy(p.num_rows);
+}
+
+struct PassData {
+  Plan* plan;
+  ItemFn fn;
+};
+
+void RunItem(void* data, size_t i) {
+  PassData* d = static_cast<PassData*>(data);
+  d->fn(*d->plan, i);
+}
+
+}  // namespace
+
+void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner) {
+  static const Kernels kernels = SelectKernels();
+  Plan plan;
+  plan.p = &problem;
+  int64_t v_size = 0;
+  for (const SgmvSegment& s : problem.segments) {
+    plan.v_base.push_back(v_size);
+    v_size += (s.row_end - s.row_begin) * s.rank;
+  }
+  plan.v.resize(v_size);
+  PlanShrink(plan);
+  PlanExpand(plan);
+  PassData shrink{&plan, kernels.shrink};
+  if (!plan.shrink.empty()) parallel_for(runner, RunItem, plan.shrink.size(), &shrink);
+  PassData expand{&plan, kernels.expand};
+  if (!plan.expand.empty()) parallel_for(runner, RunItem, plan.expand.size(), &expand);
+}
+
+}  // namespace ort_lora

@@ -1,0 +1,41 @@
+// LoraSGMV CPU kernel launcher (float32). No ONNX Runtime types: the op (lora_sgmv_op.cc)
+// validates the inputs, resolves pool offsets to row pointers and calls LoraSgmvCpu.
+//
+// Punica-style split in two passes over balanced work items:
+//   shrink  v[t, j]    = x[t] . A_j                        [n, r] per segment
+//   expand  y_out[t]   = y[t] + scale * sum_j v[t, j] Bt_j  (rows of inactive segments: copy)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ort_lora {
+
+// One segment that has an adapter (slot >= 0, rank > 0) and at least one row.
+struct SgmvSegment {
+  int64_t row_begin;  // first row of x / y
+  int64_t row_end;    // one past the last row
+  int64_t rank;       // r, 1..kMaxRank
+  float scale;
+  const float* const* a_rows;   // [r] pointers to rows of A, each `in` floats
+  const float* const* bt_rows;  // [r] pointers to rows of B^T, each `out` floats
+};
+
+struct SgmvProblem {
+  const float* x;  // [num_rows, in]
+  const float* y;  // [num_rows, out]
+  float* y_out;    // [num_rows, out]
+  int64_t num_rows;
+  int64_t in_features;
+  int64_t out_features;
+  std::vector<SgmvSegment> segments;  // active segments, disjoint row ranges, any order
+};
+
+// Runs fn(data, i) for every i in [0, total), possibly in parallel; blocks until all are done.
+using ParallelForFn = void (*)(void* runner, void (*fn)(void*, size_t), size_t total, void* data);
+
+// Computes problem.y_out. runner is passed through to parallel_for (e.g. the ORT context).
+void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner);
+
+}  // namespace ort_lora

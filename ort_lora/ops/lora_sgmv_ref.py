@@ -1,0 +1,129 @@
+"""Numpy reference of the LoraSGMV operator, and a helper that places random adapters in a pool.
+
+`lora_sgmv` is the readable definition of the op (custom_ops/lora_sgmv/lora_sgmv_op.h) and the
+oracle its tests compare the kernel with. `place_random_adapters` lays adapters' A and B^T rows
+out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
+for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _pool_row(region: np.ndarray, num_key: int, offset: int, length: int, what: str) -> np.ndarray:
+    """Row [offset, offset + length) of the flat pool share; it must not cross K/V or the end."""
+    end = offset + length
+    inside_key = offset >= 0 and end <= num_key
+    inside_value = num_key <= offset and end <= region.size
+    if not (inside_key or inside_value):
+        raise ValueError(
+            f"{what} = {offset}: a row of {length} elements must lie inside key_cache "
+            f"[0, {num_key}) or value_cache [{num_key}, {region.size}) (out-of-range page)"
+        )
+    return region[offset:end]
+
+
+def lora_sgmv(
+    y: np.ndarray,  # float [T, out]
+    x: np.ndarray,  # float [T, in]
+    key_cache: np.ndarray,  # float [num_pages, block_size, kv_heads, head_dim]
+    value_cache: np.ndarray,  # float [num_pages, block_size, kv_heads, head_dim]
+    seg_starts: np.ndarray,  # int32 [S + 1]
+    seg_slots: np.ndarray,  # int32 [S]
+    a_offsets: np.ndarray,  # int64 [num_slots, max_rank]
+    b_offsets: np.ndarray,  # int64 [num_slots, max_rank]
+    ranks: np.ndarray,  # int32 [num_layers, num_slots]
+    scales: np.ndarray,  # float [num_layers, num_slots]
+    layer: int,
+) -> np.ndarray:
+    """y_out float32 [T, out]: y plus every segment's LoRA delta, computed in float64.
+
+    Semantics:
+      region = key_cache.ravel() ++ value_cache.ravel()   (this layer's pool share, flat)
+      y_out = y
+      for each segment s with slot = seg_slots[s] >= 0 and r = ranks[layer, slot] > 0:
+        A  = [region[a_offsets[slot, j] : + in ] for j < r]      # [r, in]   rows of A
+        Bt = [region[b_offsets[slot, j] : + out] for j < r]      # [r, out]  rows of B^T
+        rows t in [seg_starts[s], seg_starts[s + 1]):
+          y_out[t] += scales[layer, slot] * (x[t] @ A^T) @ Bt
+      A row lies entirely inside key_cache or entirely inside value_cache.
+      Offsets of rows j >= r are never read (they may hold anything, e.g. -1).
+    """
+    num_key = key_cache.size
+    region = np.concatenate([key_cache.ravel(), value_cache.ravel()]).astype(np.float64)
+    in_features, out_features = x.shape[1], y.shape[1]
+    y_out = y.astype(np.float64)  # [T, out]
+    for s, slot in enumerate(seg_slots):
+        rank = int(ranks[layer, slot]) if slot >= 0 else 0
+        if rank == 0:
+            continue
+        t0, t1 = int(seg_starts[s]), int(seg_starts[s + 1])
+        a_rows = [
+            _pool_row(region, num_key, int(a_offsets[slot, j]), in_features, "a_offset")
+            for j in range(rank)
+        ]
+        bt_rows = [
+            _pool_row(region, num_key, int(b_offsets[slot, j]), out_features, "b_offset")
+            for j in range(rank)
+        ]
+        shrunk = x[t0:t1].astype(np.float64) @ np.stack(a_rows).T  # [n, r]
+        y_out[t0:t1] += float(scales[layer, slot]) * (shrunk @ np.stack(bt_rows))  # [n, out]
+    return y_out.astype(np.float32)
+
+
+@dataclass
+class PlacedAdapters:
+    """Random adapters laid out in one layer's pool share (what LoraSGMV reads)."""
+
+    key_cache: np.ndarray  # float32 [num_pages, block_size, kv_heads, head_dim]
+    value_cache: np.ndarray  # float32 [num_pages, block_size, kv_heads, head_dim]
+    a_offsets: np.ndarray  # int64 [num_slots, max_rank], -1 past each slot's rank
+    b_offsets: np.ndarray  # int64 [num_slots, max_rank], -1 past each slot's rank
+
+
+def place_random_adapters(
+    rng: np.random.Generator,
+    slot_ranks: list[int],
+    in_features: int,
+    out_features: int,
+    page_shape: tuple[int, int, int] = (16, 2, 16),
+    max_gap: int = 3,
+) -> PlacedAdapters:
+    """Places slot s's A [slot_ranks[s], in] and B^T [slot_ranks[s], out] rows in a fresh pool.
+
+    Rows go in shuffled order, each after a random gap of 0..max_gap elements (so rows start
+    unaligned), filling key_cache and then value_cache; no row crosses from K into V. The rows
+    hold random normal values scaled so that outputs are O(1); every other pool element is NaN,
+    so a kernel that reads outside the rows it was given produces NaN.
+    page_shape is (block_size, kv_heads, head_dim).
+    """
+    if min(slot_ranks, default=0) < 0:
+        raise ValueError(f"slot_ranks must be >= 0, got {slot_ranks}")
+    rows = [(s, j, kind) for s, r in enumerate(slot_ranks) for j in range(r) for kind in "ab"]
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    length = {"a": in_features, "b": out_features}
+    page_elems = int(np.prod(page_shape))
+    needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
+    num_pages = max(1, -(-needed // (2 * page_elems)) + 1)
+    half = num_pages * page_elems
+    region = np.full(2 * half, np.nan, dtype=np.float32)
+    max_rank = max(slot_ranks, default=0)
+    offsets = {kind: np.full((len(slot_ranks), max_rank), -1, np.int64) for kind in "ab"}
+    cursor = 0
+    for s, j, kind in rows:
+        cursor += int(rng.integers(0, max_gap + 1))
+        if cursor < half < cursor + length[kind]:
+            cursor = half  # the row would straddle K/V: start it at value_cache
+        fan_in = in_features if kind == "a" else slot_ranks[s]
+        values = rng.standard_normal(length[kind]) / np.sqrt(fan_in)
+        region[cursor : cursor + length[kind]] = values
+        offsets[kind][s, j] = cursor
+        cursor += length[kind]
+    assert cursor <= region.size, "pool sized too small"
+    shape = (num_pages, *page_shape)
+    return PlacedAdapters(
+        region[:half].reshape(shape), region[half:].reshape(shape), offsets["a"], offsets["b"]
+    )

@@ -1,0 +1,219 @@
+"""LoraSGMV CPU kernel vs the numpy reference (ort_lora/ops/lora_sgmv_ref.py).
+
+Every case draws fresh random data (a seed per case); the pool is NaN outside the adapter rows,
+so a kernel reading anywhere else fails the comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import ort_lora
+from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
+
+INPUTS = [
+    ("y", TensorProto.FLOAT, 2),
+    ("x", TensorProto.FLOAT, 2),
+    ("key_cache", TensorProto.FLOAT, 4),
+    ("value_cache", TensorProto.FLOAT, 4),
+    ("seg_starts", TensorProto.INT32, 1),
+    ("seg_slots", TensorProto.INT32, 1),
+    ("a_offsets", TensorProto.INT64, 2),
+    ("b_offsets", TensorProto.INT64, 2),
+    ("ranks", TensorProto.INT32, 2),
+    ("scales", TensorProto.FLOAT, 2),
+]
+RTOL = 1e-5  # float32
+
+
+def make_session(layer: int, input_types: dict[str, int] | None = None) -> ort.InferenceSession:
+    """A one-node LoraSGMV model; input_types overrides declared input element types."""
+    types = {name: t for name, t, _ in INPUTS} | (input_types or {})
+    graph_inputs = [
+        helper.make_tensor_value_info(name, types[name], [None] * rank) for name, _, rank in INPUTS
+    ]
+    node = helper.make_node(
+        "LoraSGMV", [n for n, _, _ in INPUTS], ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=layer
+    )
+    output = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
+    graph = helper.make_graph([node], "lora_sgmv", graph_inputs, [output])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    opts = ort_lora.session_options(intra_op_num_threads=2)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+_SESSIONS: dict[int, ort.InferenceSession] = {}
+
+
+def session(layer: int = 0) -> ort.InferenceSession:
+    if layer not in _SESSIONS:
+        _SESSIONS[layer] = make_session(layer)
+    return _SESSIONS[layer]
+
+
+def make_case(seed, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None):
+    """Feeds for one call; layer_ranks [num_layers, num_slots] defaults to slot_ranks."""
+    rng = np.random.default_rng(seed)
+    placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f)
+    ranks = np.array(layer_ranks if layer_ranks is not None else [slot_ranks], np.int32)
+    num_rows = int(sum(seg_lens))
+    return {
+        "y": rng.standard_normal((num_rows, out_f)).astype(np.float32),
+        "x": rng.standard_normal((num_rows, in_f)).astype(np.float32),
+        "key_cache": placed.key_cache,
+        "value_cache": placed.value_cache,
+        "seg_starts": np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32),
+        "seg_slots": np.array(seg_slots, np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": ranks.reshape(-1, len(slot_ranks)),
+        "scales": rng.uniform(0.25, 2.0, ranks.shape).astype(np.float32),
+    }
+
+
+def check(feeds, layer=0):
+    got = session(layer).run(None, feeds)[0]
+    ref = lora_sgmv(**feeds, layer=layer)
+    assert got.shape == ref.shape
+    scale = float(np.abs(ref).max()) if ref.size else 1.0
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * scale)
+
+
+@pytest.mark.parametrize("rank", [1, 4, 16, 64])
+def test_ranks(rank):
+    check(make_case(100 + rank, [5, 3, 9, 1], [0, -1, 1, 0], [rank, rank]))
+
+
+def test_mixed_ranks_in_one_call():
+    slot_ranks = [1, 8, 16, 64, 3, 0]
+    check(make_case(7, [6, 2, 11, 4, 7, 1, 3], [0, 1, 2, 3, 4, 5, -1], slot_ranks, 576, 1536))
+
+
+def _zipf_layout(rng, num_rows, num_slots):
+    """Skewed adapter popularity: rows per slot ~ Zipf, segments ordered by slot."""
+    weights = 1.0 / np.arange(1, num_slots + 1) ** 1.2
+    counts = np.bincount(
+        rng.choice(num_slots, num_rows, p=weights / weights.sum()), minlength=num_slots
+    )
+    slots = [s for s in range(num_slots) if counts[s]]
+    return [int(counts[s]) for s in slots], slots
+
+
+LAYOUTS = {
+    "all_base": lambda rng: ([7, 5], [-1, -1], [4, 8]),
+    "one_adapter": lambda rng: ([13], [1], [4, 8]),
+    "every_row_distinct": lambda rng: ([1] * 24, list(range(24)), [16] * 24),
+    "skewed": lambda rng: (*_zipf_layout(rng, 40, 8), [16, 8, 4, 16, 1, 32, 16, 2]),
+    "repeated_slot_and_empty_segments": lambda rng: ([3, 0, 4, 2, 0], [0, 1, 0, -1, 1], [4, 8]),
+    "t0": lambda rng: ([0], [0], [4]),
+    "t0_no_segments": lambda rng: ([], [], [4]),
+    "t1": lambda rng: ([1], [0], [16]),
+    "t_over_1000": lambda rng: ([300, 1, 517, 250, 33], [0, -1, 1, 2, 3], [16, 4, 64, 1]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_segment_layouts(layout):
+    seed = 200 + list(LAYOUTS).index(layout)
+    seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](np.random.default_rng(seed))
+    check(make_case(seed, seg_lens, seg_slots, slot_ranks))
+
+
+@pytest.mark.parametrize("in_f,out_f", [(64, 192), (192, 64), (576, 1536), (37, 53), (15, 3)])
+def test_heterogeneous_shapes(in_f, out_f):
+    check(make_case(300 + in_f, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f))
+
+
+def test_layer_attribute_selects_ranks_and_scales():
+    layer_ranks = [[4, 8, 2], [8, 0, 2], [1, 8, 0]]  # slot 1 has no adapter in layer 1
+    for layer in (1, 2):
+        check(
+            make_case(400 + layer, [5, 4, 6], [0, 1, 2], [8, 8, 2], layer_ranks=layer_ranks), layer
+        )
+
+
+def test_unused_slot_offsets_are_not_read():
+    feeds = make_case(500, [4, 3], [0, -1], [4, 4])
+    feeds["a_offsets"][1] = -7  # slot 1 is used by no segment
+    feeds["b_offsets"][1] = 10**12
+    check(feeds)
+
+
+# ---- validation: every bad input gives an error naming it -------------------------------------
+
+
+def run_expect_error(feeds, match, layer=0):
+    with pytest.raises(Exception, match=match):
+        session(layer).run(None, feeds)
+
+
+def valid_feeds():
+    return make_case(600, [3, 2, 4], [0, -1, 1], [4, 4])
+
+
+def test_bad_input_rank():
+    feeds = valid_feeds()
+    feeds["x"] = feeds["x"][:, :, None]
+    with pytest.raises(Exception, match="x"):
+        session().run(None, feeds)  # ORT checks declared ranks: a 3-d x is refused by name
+
+
+@pytest.mark.parametrize("name", ["x", "seg_starts", "a_offsets", "scales"])
+def test_bad_input_dtype(name):
+    # The op declares every input's element type, so ORT refuses a mismatch at load time.
+    with pytest.raises(Exception, match=rf"Type 'tensor\(double\)' of input parameter \({name}\)"):
+        make_session(0, {name: TensorProto.DOUBLE})
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda f: f.update(x=f["x"][:-1]), r"input 'x' dim 0 must be 9"),
+        (lambda f: f.update(seg_starts=f["seg_starts"] + 1), r"seg_starts\[0\] must be 0"),
+        (lambda f: f["seg_starts"].__setitem__(-1, 8), r"seg_starts\[3\] must be T = 9"),
+        (lambda f: f["seg_starts"].__setitem__(1, 6), "non-monotonic"),
+        (lambda f: f.update(seg_slots=f["seg_slots"][:2]), r"input 'seg_starts' dim 0 must be 3"),
+        (lambda f: f["seg_slots"].__setitem__(1, 2), r"seg_slots\[1\] = 2 must be in \[-1, 2\)"),
+        (lambda f: f["seg_slots"].__setitem__(1, -2), r"seg_slots\[1\] = -2"),
+        (lambda f: f["ranks"].__setitem__((0, 1), 5), r"ranks\[0, 1\] = 5 must be in \[0, 4\]"),
+        (lambda f: f["ranks"].__setitem__((0, 0), -1), r"ranks\[0, 0\] = -1"),
+        (
+            lambda f: f["a_offsets"].__setitem__((0, 2), -3),
+            r"a_offsets\[0, 2\] = -3.*out-of-range page",
+        ),
+        (
+            lambda f: f["b_offsets"].__setitem__((1, 3), 2 * f["key_cache"].size - 10),
+            r"b_offsets\[1, 3\].*out-of-range page",
+        ),
+        (
+            lambda f: f["a_offsets"].__setitem__((1, 0), f["key_cache"].size - 5),
+            r"a_offsets\[1, 0\].*out-of-range page",
+        ),
+        (lambda f: f.update(value_cache=f["value_cache"][:-1]), "input 'value_cache' dim 0"),
+        (lambda f: f.update(scales=f["scales"][:, :1]), "input 'scales' dim 1"),
+        (lambda f: f.update(b_offsets=f["b_offsets"][:, :2]), "input 'b_offsets' dim 1"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_inputs(mutate, match):
+    feeds = valid_feeds()
+    mutate(feeds)
+    run_expect_error(feeds, match)
+
+
+def test_rank_over_the_limit():
+    feeds = make_case(700, [2], [0], [513], in_f=8, out_f=8)
+    run_expect_error(feeds, "rank over the limit 512")
+
+
+def test_layer_attribute_out_of_range():
+    run_expect_error(valid_feeds(), r"attribute 'layer' = 3 must be < num_layers = 1", layer=3)
+
+
+def test_negative_layer_attribute():
+    with pytest.raises(Exception, match="attribute 'layer' must be >= 0, got -1"):
+        make_session(-1)
