@@ -1,23 +1,31 @@
 // PagedAttention (domain ort_lora, CPU, float32): the contract of ONNX Runtime's
 // com.microsoft.PagedAttention (which ships for CUDA only), so one graph serves both providers.
 //
-// Inputs                                                 Outputs
-//   0 query       float [T, num_heads * head_size]          0 output [T, num_heads * head_size]
-//   1 key         float [T, kv_num_heads * head_size]       1 key_cache_out   (optional,
-//   unsupported) 2 value       float [T, kv_num_heads * head_size]       2 value_cache_out
-//   (optional, unsupported) 3 key_cache   float [num_blocks, block_size, kv_num_heads, head_size]
-//   written in place 4 value_cache float [num_blocks, block_size, kv_num_heads, head_size]  written
-//   in place 5 cumulative_sequence_length int32 [B + 1] 6 past_seqlens int32 [B] 7 block_table
-//   int32 [B, max_blocks_per_sequence] 8 cos_cache   float [max_seqlen, rotary_dim / 2]  (optional;
-//   required with do_rotary) 9 sin_cache   float [max_seqlen, rotary_dim / 2]  (optional; required
-//   with do_rotary)
-//  10 slot_mapping int32 [T] (optional; -1 skips the write)
+// Inputs
+//    0 query        float [T, num_heads * head_size]
+//    1 key          float [T, kv_num_heads * head_size]
+//    2 value        float [T, kv_num_heads * head_size]
+//    3 key_cache    float [num_blocks, block_size, kv_num_heads, head_size]  written in place
+//    4 value_cache  float [num_blocks, block_size, kv_num_heads, head_size]  written in place
+//    5 cumulative_sequence_length int32 [B + 1]
+//    6 past_seqlens int32 [B]
+//    7 block_table  int32 [B, max_blocks_per_sequence]
+//    8 cos_cache    float [max_seqlen, rotary_dim / 2]  optional; required with do_rotary
+//    9 sin_cache    float [max_seqlen, rotary_dim / 2]  optional; required with do_rotary
+//   10 slot_mapping int32 [T]  optional; -1 skips the write
+// Outputs
+//    0 output          float [T, num_heads * head_size]
+//    1 key_cache_out   optional in the schema; this kernel updates the cache in place and
+//    2 value_cache_out fails if the node asks for these
 // Attributes: num_heads, kv_num_heads, scale, do_rotary, rotary_interleaved,
 //             local_window_size, softcap.
-// Semantics: ort_lora/ops/reference.py::paged_attention.
+// Semantics: ort_lora/ops/paged_attention_ref.py. Kernel: paged_attention_cpu.h.
 #pragma once
 
+#include <vector>
+
 #include "common/ort_common.h"
+#include "paged_attention/paged_attention_cpu.h"
 
 namespace ort_lora {
 
@@ -27,6 +35,8 @@ struct PagedAttentionKernel {
 
  private:
   void Compute(OrtKernelContext* context);
+  PagedAttentionArgs CheckShapes(const std::vector<InputView>& in) const;
+  void CheckRotaryShapes(const std::vector<InputView>& in, PagedAttentionArgs& a) const;
   int64_t num_heads_;
   int64_t kv_num_heads_;
   float scale_;

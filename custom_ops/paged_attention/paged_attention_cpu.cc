@@ -1,0 +1,367 @@
+// PagedAttention CPU kernel, float32. Three passes, each a ParallelFor:
+//   1. prepare: rotary on q and k, scale folded into q          (per token chunk)
+//   2. attend:  online softmax over key tiles                   (per work item)
+//      + merge: the partial softmax of a context split          (per split group)
+//   3. write:   new K/V rows into their cache slots             (per token chunk)
+// Attention reads the cache before any write, so its result never depends on the write.
+//
+// A work item is (sequence, kv head, chunk of query tokens, context range): its query rows are
+// every (token, head) of the kv head's group, so each K/V row fetched is used by all of them.
+// A long context is split into ranges of at least kMinSplitKeys keys when there are too few
+// items to keep the threads busy (flash-decoding); the split items write (max, sum, acc) rows
+// that the merge pass combines.
+#include "paged_attention/paged_attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// Hot loops are plain C++ the compiler vectorizes; cloned for AVX-512 and AVX2+FMA and chosen
+// at run time by the loader (GCC function multiversioning).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ORT_LORA_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ORT_LORA_CLONES
+#endif
+
+namespace ort_lora {
+namespace {
+
+constexpr int64_t kTileKeys = 32;        // keys scored together: one softmax rescale per tile
+constexpr int64_t kRowsPerItem = 32;     // query rows (token x head) per work item, at most
+constexpr int64_t kMinSplitKeys = 256;   // shortest context range worth its own work item
+constexpr int64_t kTargetItems = 64;     // fewer items than this: split long contexts
+constexpr int64_t kTokensPerChunk = 16;  // tokens per item of the prepare and write passes
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Query tokens [q_begin, q_end) of sequence seq (all heads of kv head kv_head) against keys at
+// positions [ctx_begin, ctx_end). partial < 0: the item sees the whole context and writes the
+// output; else it writes rows [max, sum, acc[D]] at partials + partial.
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end, ctx_begin, ctx_end;
+  int64_t partial;
+};
+
+// Items [first, first + count) are the context splits of one (sequence, kv head, query chunk).
+struct SplitGroup {
+  int64_t first, count;
+};
+
+struct Plan {
+  std::vector<WorkItem> items;
+  std::vector<SplitGroup> splits;
+  int64_t partial_floats = 0;
+};
+
+// Shared state of one call.
+struct Problem {
+  const PagedAttentionArgs& a;
+  int64_t group;                   // query heads per kv head
+  int64_t row_stride;              // KVH * D: distance between consecutive K/V rows of one kv head
+  const float* q;                  // [T, H, D] rotated and scaled
+  const float* k;                  // [T, KVH, D] rotated (the key input without rotary)
+  float* partials;                 // split items' rows [max, sum, acc[D]]
+  std::vector<int32_t> positions;  // [T] position of each new token
+  std::vector<int32_t> slots;      // [T] cache slot of each new token, -1 = no write
+};
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- pass 1: rotary and scale ------------------------------------------------------------
+
+// dst[D] = rotary(src[D]) * mul at the position whose cos/sin rows are given.
+void RotateRow(float* dst, const float* src, const float* cos, const float* sin, int64_t half,
+               int64_t head_size, bool interleaved, float mul) {
+  const int64_t step = interleaved ? 2 : 1, other = interleaved ? 1 : half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = src[i * step], x2 = src[i * step + other];
+    dst[i * step] = (x1 * cos[i] - x2 * sin[i]) * mul;
+    dst[i * step + other] = (x2 * cos[i] + x1 * sin[i]) * mul;
+  }
+  for (int64_t i = 2 * half; i < head_size; ++i) dst[i] = src[i] * mul;
+}
+
+// rows [T, heads * D] of src -> dst, rotated at each token's position and multiplied by mul.
+void PrepareRows(const Problem& p, const float* src, float* dst, int64_t heads, float mul,
+                 int64_t t0, int64_t t1) {
+  const auto& a = p.a;
+  const int64_t d = a.head_size, half = a.rotary_half;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* cos = half ? a.cos_cache + p.positions[t] * half : nullptr;
+    const float* sin = half ? a.sin_cache + p.positions[t] * half : nullptr;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = (t * heads + h) * d;
+      if (half) {
+        RotateRow(dst + off, src + off, cos, sin, half, d, a.rotary_interleaved, mul);
+      } else {
+        for (int64_t i = 0; i < d; ++i) dst[off + i] = src[off + i] * mul;
+      }
+    }
+  }
+}
+
+// ---- pass 2: attention -------------------------------------------------------------------
+
+inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float r[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) r[k] += a[i + k] * b[i + k];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int k = 0; k < w; ++k) r[k] += r[k + w];
+  for (; i < n; ++i) r[0] += a[i] * b[i];
+  return r[0];
+}
+
+// x[i] = exp(x[i]) for x[i] <= 0 (Cephes expf polynomial, ~1 ulp; vectorizable).
+inline void ExpInPlace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.0f);
+    const float fn = (v * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof(float));
+    x[i] = y * two_n;
+  }
+}
+
+// acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D]
+inline void AccumulateValues(float* __restrict acc, const float* __restrict v,
+                             const float* __restrict p, int64_t n, int64_t stride, int64_t d,
+                             float alpha) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    float r[32];
+    for (int k = 0; k < 32; ++k) r[k] = acc[i + k] * alpha;
+    for (int64_t j = 0; j < n; ++j)
+      for (int k = 0; k < 32; ++k) r[k] += p[j] * v[j * stride + i + k];
+    for (int k = 0; k < 32; ++k) acc[i + k] = r[k];
+  }
+  for (; i < d; ++i) {
+    float r = acc[i] * alpha;
+    for (int64_t j = 0; j < n; ++j) r += p[j] * v[j * stride + i];
+    acc[i] = r;
+  }
+}
+
+// One query row against n keys/values (rows k, v at distance stride): online softmax update
+// of (m, l, acc).
+inline void AttendTile(const float* q, const float* k, const float* v, int64_t n, int64_t stride,
+                       int64_t d, float softcap, float& m, float& l, float* acc) {
+  float s[kTileKeys];
+  for (int64_t j = 0; j < n; ++j) s[j] = Dot(q, k + j * stride, d);
+  if (softcap > 0)
+    for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  float m_new = m;
+  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
+  for (int64_t j = 0; j < n; ++j) s[j] -= m_new;
+  ExpInPlace(s, n);
+  const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
+  l = l * alpha + sum;
+  m = m_new;
+  AccumulateValues(acc, v, s, n, stride, d, alpha);
+}
+
+// Keys [j, j + count) of one kv head, contiguous at distance row_stride: a run inside one
+// cache block, or of the new tokens' rows.
+struct KeyRun {
+  const float* k;
+  const float* v;
+  int64_t count;
+};
+
+KeyRun NextRun(const Problem& p, const WorkItem& w, int64_t j, int64_t end) {
+  const auto& a = p.a;
+  const int64_t past = a.past_seqlens[w.seq];
+  if (j < past) {
+    const int64_t block = a.block_table[w.seq * a.max_blocks + j / a.block_size];
+    const int64_t off = j % a.block_size;
+    const int64_t count = std::min({a.block_size - off, past - j, end - j, kTileKeys});
+    const int64_t row = (block * a.block_size + off) * p.row_stride + w.kv_head * a.head_size;
+    return {a.key_cache + row, a.value_cache + row, count};
+  }
+  const int64_t row = (a.cu_seqlens[w.seq] + j - past) * p.row_stride + w.kv_head * a.head_size;
+  return {p.k + row, a.value + row, std::min(end - j, kTileKeys)};
+}
+
+// Output (or partial) row of query row r = token * group + head of item w.
+float* AccRow(const Problem& p, const WorkItem& w, int64_t r) {
+  const int64_t d = p.a.head_size;
+  if (w.partial >= 0) return p.partials + w.partial + r * (d + 2) + 2;
+  const int64_t t = p.a.cu_seqlens[w.seq] + w.q_begin + r / p.group;
+  return p.a.output + (t * p.a.num_heads + w.kv_head * p.group + r % p.group) * d;
+}
+
+ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
+  const auto& a = p.a;
+  const int64_t d = a.head_size, rows = (w.q_end - w.q_begin) * p.group;
+  std::vector<float> m(rows, kNegInf), l(rows, 0.0f);
+  std::vector<float*> acc(rows);
+  for (int64_t r = 0; r < rows; ++r) acc[r] = AccRow(p, w, r);
+  for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + d, 0.0f);
+  const int64_t past = a.past_seqlens[w.seq];
+  for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
+    const KeyRun run = NextRun(p, w, j, w.ctx_end);
+    for (int64_t t = w.q_begin; t < w.q_end; ++t) {
+      const int64_t pos = past + t;
+      const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
+      const int64_t hi = std::min(j + run.count, pos + 1);
+      if (lo >= hi) continue;
+      const int64_t skip = (lo - j) * p.row_stride;
+      for (int64_t h = 0; h < p.group; ++h) {
+        const int64_t r = (t - w.q_begin) * p.group + h;
+        const float* q =
+            p.q + ((a.cu_seqlens[w.seq] + t) * a.num_heads + w.kv_head * p.group + h) * d;
+        AttendTile(q, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap, m[r], l[r],
+                   acc[r]);
+      }
+    }
+    j += run.count;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (w.partial >= 0) {
+      acc[r][-2] = m[r];
+      acc[r][-1] = l[r];
+    } else {
+      const float inv = 1.0f / l[r];
+      for (int64_t i = 0; i < d; ++i) acc[r][i] *= inv;
+    }
+  }
+}
+
+// Combines the partial softmax rows of one split group into the output.
+void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
+  const int64_t d = p.a.head_size;
+  const WorkItem& w0 = plan.items[g.first];
+  WorkItem out = w0;
+  out.partial = -1;
+  const int64_t rows = (w0.q_end - w0.q_begin) * p.group, width = d + 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf, l = 0.0f;
+    for (int64_t s = 0; s < g.count; ++s)
+      m = std::max(m, p.partials[plan.items[g.first + s].partial + r * width]);
+    float* dst = AccRow(p, out, r);
+    std::fill(dst, dst + d, 0.0f);
+    for (int64_t s = 0; s < g.count; ++s) {
+      const float* src = p.partials + plan.items[g.first + s].partial + r * width;
+      if (src[0] == kNegInf) continue;
+      const float c = std::exp(src[0] - m);
+      l += src[1] * c;
+      for (int64_t i = 0; i < d; ++i) dst[i] += src[2 + i] * c;
+    }
+    for (int64_t i = 0; i < d; ++i) dst[i] /= l;
+  }
+}
+
+// Work items: every (sequence, query chunk, kv head), split over context ranges if few.
+Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
+  const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / group);
+  Plan plan;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < a.num_seqs; ++b) {
+    const int64_t n = a.cu_seqlens[b + 1] - a.cu_seqlens[b], past = a.past_seqlens[b];
+    for (int64_t q0 = 0; q0 < n; q0 += chunk) {
+      const int64_t q1 = std::min(n, q0 + chunk), hi = past + q1;
+      const int64_t lo = a.local_window >= 0 ? std::max<int64_t>(0, past + q0 - a.local_window) : 0;
+      longest = std::max(longest, hi - lo);
+      for (int64_t g = 0; g < a.kv_num_heads; ++g)
+        plan.items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g),
+                              static_cast<int32_t>(q0), static_cast<int32_t>(q1),
+                              static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1});
+    }
+  }
+  const int64_t base = static_cast<int64_t>(plan.items.size());
+  if (base == 0 || base >= kTargetItems) return plan;
+  const int64_t split = std::max(kMinSplitKeys, CeilDiv(longest * base, kTargetItems));
+  std::vector<WorkItem> items;
+  for (const WorkItem& w : plan.items) {
+    const int64_t parts = CeilDiv(w.ctx_end - w.ctx_begin, split);
+    if (parts > 1) plan.splits.push_back({static_cast<int64_t>(items.size()), parts});
+    for (int64_t s = 0; s < parts; ++s) {
+      WorkItem part = w;
+      part.ctx_begin = static_cast<int32_t>(w.ctx_begin + s * split);
+      part.ctx_end = static_cast<int32_t>(std::min<int64_t>(w.ctx_end, part.ctx_begin + split));
+      if (parts > 1) {
+        part.partial = plan.partial_floats;
+        plan.partial_floats += (w.q_end - w.q_begin) * group * (a.head_size + 2);
+      }
+      items.push_back(part);
+    }
+  }
+  plan.items = std::move(items);
+  return plan;
+}
+
+// ---- pass 3: cache write -----------------------------------------------------------------
+
+void WriteRows(const Problem& p, int64_t t0, int64_t t1) {
+  const auto& a = p.a;
+  for (int64_t t = t0; t < t1; ++t) {
+    if (p.slots[t] < 0) continue;
+    const size_t bytes = static_cast<size_t>(p.row_stride) * sizeof(float);
+    std::memcpy(a.key_cache + p.slots[t] * p.row_stride, p.k + t * p.row_stride, bytes);
+    std::memcpy(a.value_cache + p.slots[t] * p.row_stride, a.value + t * p.row_stride, bytes);
+  }
+}
+
+// Position and cache slot of every new token.
+void LocateTokens(Problem& p) {
+  const auto& a = p.a;
+  p.positions.resize(a.num_tokens);
+  p.slots.resize(a.num_tokens);
+  for (int64_t b = 0; b < a.num_seqs; ++b) {
+    for (int64_t t = a.cu_seqlens[b]; t < a.cu_seqlens[b + 1]; ++t) {
+      const int64_t pos = a.past_seqlens[b] + t - a.cu_seqlens[b];
+      p.positions[t] = static_cast<int32_t>(pos);
+      if (a.slot_mapping) {
+        p.slots[t] = a.slot_mapping[t];
+      } else {
+        const int64_t block = a.block_table[b * a.max_blocks + pos / a.block_size];
+        p.slots[t] = static_cast<int32_t>(block * a.block_size + pos % a.block_size);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void PagedAttentionCpu(const PagedAttentionArgs& a, const ParallelFor& parallel_for) {
+  if (a.num_tokens == 0) return;
+  const int64_t group = a.num_heads / a.kv_num_heads;
+  std::vector<float> q(a.num_tokens * a.num_heads * a.head_size);
+  std::vector<float> k(a.rotary_half ? a.num_tokens * a.kv_num_heads * a.head_size : 0);
+  Problem p{
+      a,  group, a.kv_num_heads * a.head_size, q.data(), a.rotary_half ? k.data() : a.key, nullptr,
+      {}, {}};
+  LocateTokens(p);
+  const size_t token_chunks = CeilDiv(a.num_tokens, kTokensPerChunk);
+  parallel_for(token_chunks, [&](size_t c) {
+    const int64_t t0 = c * kTokensPerChunk, t1 = std::min(a.num_tokens, t0 + kTokensPerChunk);
+    PrepareRows(p, a.query, q.data(), a.num_heads, a.scale, t0, t1);
+    if (a.rotary_half) PrepareRows(p, a.key, k.data(), a.kv_num_heads, 1.0f, t0, t1);
+  });
+  const Plan plan = MakePlan(a, group);
+  std::vector<float> partials(plan.partial_floats);
+  p.partials = partials.data();
+  parallel_for(plan.items.size(), [&](size_t i) { RunItem(p, plan.items[i]); });
+  parallel_for(plan.splits.size(), [&](size_t i) { MergeSplits(p, plan, plan.splits[i]); });
+  parallel_for(token_chunks, [&](size_t c) {
+    const int64_t t0 = c * kTokensPerChunk;
+    WriteRows(p, t0, std::min(a.num_tokens, t0 + kTokensPerChunk));
+  });
+}
+
+}  // namespace ort_lora
