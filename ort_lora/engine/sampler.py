@@ -1,0 +1,219 @@
+"""The sampler: logits of one step -> next tokens (+ logprobs), pure numpy, vectorized over rows.
+
+Per row, in this order (vLLM v1's):
+  1. penalties on the raw logits: repetition (prompt + output tokens: positive logits divided,
+     negative multiplied), then frequency (x count in the output), then presence (output)
+  2. greedy rows (temperature < 1e-5): argmax of the penalized logits
+  3. other rows: / temperature -> min_p (drop p < min_p * p_max) -> top_k (keep logits >= the
+     k-th largest) -> top_p (keep the smallest most-likely set whose mass reaches top_p) ->
+     one draw from the row's own generator (seeded requests are reproducible)
+Logprobs are the log-softmax of the RAW logits (vLLM's default "raw_logprobs"): the sampled
+token first, then the top-k, each with its rank (1 = most likely).
+
+check_stop() is the stop rule the engine's postprocess applies after each new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ort_lora.outputs import Logprob, PositionLogprobs
+from ort_lora.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One logits row's request state (references, not copies).
+
+    generator: the request's own np.random.Generator (np.random.default_rng(params.seed), kept
+    for the request's life), or None to draw from the engine-level generator.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: np.random.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: np.ndarray  # int64 [B]
+    logprobs: list[PositionLogprobs | None]  # per row; None where params.logprobs is None
+    sampled_logprobs: list[float | None]  # raw logprob of the sampled token, same rule
+
+
+def make_generator(params: SamplingParams) -> np.random.Generator | None:
+    """The per-request generator: seeded when params.seed is set, else None (engine rng)."""
+    return None if params.seed is None else np.random.default_rng(params.seed)
+
+
+def sample(
+    logits: np.ndarray, rows: Sequence[SampleRow], rng: np.random.Generator
+) -> SamplerOutput:
+    """Next token of every row. logits: [B, vocab] float; rng: the engine-level generator."""
+    if logits.ndim != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [{len(rows)}, vocab], got shape {list(logits.shape)}")
+    raw = np.asarray(logits, dtype=np.float32)  # [B, V]
+    x = apply_penalties(raw, rows)  # [B, V]
+    tokens = np.empty(len(rows), np.int64)
+    greedy = np.array([r.params.is_greedy for r in rows], bool)
+    tokens[greedy] = np.argmax(x[greedy], axis=1)
+    rand = np.flatnonzero(~greedy)
+    if len(rand):
+        probs = truncated_probs(x[rand], [rows[i].params for i in rand])  # [b, V]
+        gens = [rows[i].generator or rng for i in rand]
+        tokens[rand] = _draw(probs, gens)
+    lps, sampled = _row_logprobs(raw, tokens, rows)
+    return SamplerOutput(tokens, lps, sampled)
+
+
+def apply_penalties(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray:
+    """Repetition, frequency and presence penalties (a new array; rows without any unchanged)."""
+    out = logits.copy()
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return out
+    vocab = logits.shape[1]
+    counts = np.stack([_bincount(rows[i].output_token_ids, vocab) for i in idx])  # [k, V]
+    seen = counts > 0
+    seen |= np.stack([_bincount(rows[i].prompt_token_ids, vocab) > 0 for i in idx])
+    rep = np.array([rows[i].params.repetition_penalty for i in idx], np.float32)[:, None]
+    freq = np.array([rows[i].params.frequency_penalty for i in idx], np.float32)[:, None]
+    pres = np.array([rows[i].params.presence_penalty for i in idx], np.float32)[:, None]
+    x = out[idx]  # [k, V]
+    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    x -= freq * counts + pres * (counts > 0)
+    out[idx] = x
+    return out
+
+
+def _bincount(token_ids: Sequence[int], vocab: int) -> np.ndarray:
+    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    return np.bincount(ids, minlength=vocab).astype(np.float32)  # [V]
+
+
+def truncated_probs(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """Probabilities after temperature, min_p, top_k and top_p; dropped tokens get 0. [b, V]"""
+    temp = np.array([p.temperature for p in params], np.float32)[:, None]
+    x = x / temp
+    min_p = np.array([p.min_p for p in params], np.float32)[:, None]
+    if min_p.any():
+        probs = _softmax(x)
+        x = np.where(probs < min_p * probs.max(axis=1, keepdims=True), -np.inf, x)
+    top_k = np.array([p.top_k if p.top_k > 0 else x.shape[1] for p in params], np.int64)
+    if (top_k < x.shape[1]).any():
+        kth = -np.sort(-x, axis=1)[np.arange(len(x)), top_k - 1][:, None]  # [b, 1]
+        x = np.where(x < kth, -np.inf, x)
+    probs = _softmax(x)
+    top_p = np.array([p.top_p for p in params], np.float32)[:, None]
+    if (top_p < 1.0).any():
+        desc = -np.sort(-probs, axis=1)  # [b, V]
+        mass_before = np.cumsum(desc, axis=1) - desc
+        keep = np.maximum((mass_before < top_p).sum(axis=1), 1)  # [b]
+        threshold = desc[np.arange(len(x)), keep - 1][:, None]
+        probs = np.where(probs < threshold, 0.0, probs)
+    return probs
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _draw(probs: np.ndarray, gens: Sequence[np.random.Generator]) -> np.ndarray:
+    """One inverse-CDF draw per row, each from its own generator."""
+    cdf = np.cumsum(probs, axis=1, dtype=np.float64)  # [b, V]
+    u = np.array([g.random() for g in gens]) * cdf[:, -1]  # [b]
+    picks = [np.searchsorted(c, v, side="right") for c, v in zip(cdf, u)]
+    return np.minimum(np.array(picks, np.int64), probs.shape[1] - 1)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float32. [n, V] -> [n, V]"""
+    x = np.asarray(x, dtype=np.float32)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _row_logprobs(raw, tokens, rows) -> tuple[list, list]:
+    lps: list[PositionLogprobs | None] = [None] * len(rows)
+    sampled: list[float | None] = [None] * len(rows)
+    idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if idx:
+        lp = log_softmax(raw[idx])  # [k, V]
+        for j, i in enumerate(idx):
+            lps[i] = position_logprobs(lp[j], int(tokens[i]), rows[i].params.logprobs)
+            sampled[i] = float(lp[j, tokens[i]])
+    return lps, sampled
+
+
+def position_logprobs(lp: np.ndarray, token: int, k: int) -> PositionLogprobs:
+    """{token: Logprob} for one position: `token` first, then the top-k of lp [V], with ranks."""
+    k = min(k, len(lp))
+    top = np.argpartition(-lp, k - 1)[:k] if k > 0 else np.empty(0, np.int64)
+    top = top[np.argsort(-lp[top], kind="stable")]
+    out = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1)}
+    for t in top.tolist():
+        if t not in out:
+            out[t] = Logprob(float(lp[t]), int((lp > lp[t]).sum()) + 1)
+    return out
+
+
+def prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int], k: int) -> list:
+    """Prompt logprobs of positions: logits [N, V] at prompt positions i, the prompt tokens
+    at i + 1 [N]; returns N dicts (the actual token first, then the top-k). The engine puts
+    None in front for the first prompt token."""
+    if len(logits) != len(next_token_ids):
+        raise ValueError(f"{len(logits)} logits rows for {len(next_token_ids)} next tokens")
+    lp = log_softmax(logits)  # [N, V]
+    return [position_logprobs(row, int(t), k) for row, t in zip(lp, next_token_ids)]
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None  # the stop token id or stop string; None for eos / length
+    text_len: int  # keep output_text[:text_len] (a stop string and what follows are cut)
+
+
+def check_stop(
+    output_token_ids: Sequence[int],
+    output_text: str,
+    new_text_len: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_model_len: int | None = None,
+    num_prompt_tokens: int = 0,
+) -> StopDecision | None:
+    """Whether a request is done after appending its last token (vLLM's StopChecker order).
+
+    eos (unless ignore_eos) -> stop_token_ids -> stop strings (searched in the last
+    new_text_len characters plus the overlap a stop string may span; the earliest match wins;
+    the text is cut before it) -> max_tokens -> max_model_len. None = keep going.
+    """
+    last = output_token_ids[-1] if output_token_ids else None
+    if last is not None and not params.ignore_eos and last in eos_token_ids:
+        return StopDecision("stop", None, len(output_text))
+    if last is not None and last in params.stop_token_ids:
+        return StopDecision("stop", last, len(output_text))
+    hit = _find_stop_string(output_text, new_text_len, params.stop)
+    if hit is not None:
+        return StopDecision("stop", hit[1], hit[0])
+    if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+        return StopDecision("length", None, len(output_text))
+    if max_model_len is not None and num_prompt_tokens + len(output_token_ids) >= max_model_len:
+        return StopDecision("length", None, len(output_text))
+    return None
+
+
+def _find_stop_string(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    best = None
+    for s in stops:
+        at = text.find(s, max(0, len(text) - new_len - len(s) + 1))
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, s)
+    return best
