@@ -1,0 +1,131 @@
+"""`ort-lora serve [MODEL_DIR] [options]`: the OpenAI-compatible server.
+
+Without MODEL_DIR it serves the default model (SmolLM2-135M-Instruct, exported on first use)
+with the bundled demo adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ort_lora.lora_request import LoRARequest
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` -> (name, path)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {text!r}: {exc}")
+        if not isinstance(spec, dict) or not spec.get("name") or not spec.get("path"):
+            raise argparse.ArgumentTypeError(
+                f'--lora-modules: JSON form needs "name" and "path", got {text!r}'
+            )
+        return str(spec["name"]), str(spec["path"])
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"--lora-modules: expected name=path or JSON, got {text!r}"
+        )
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ort-lora serve",
+        description="Serve a model and its LoRA adapters over the OpenAI API.",
+    )
+    p.add_argument(
+        "model_dir", nargs="?", help="exported model dir (default: SmolLM2 + demo adapters)"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        type=parse_lora_module,
+        metavar="NAME=PATH",
+        help='adapters to serve: name=path or \'{"name": ..., "path": ...}\'',
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument(
+        "--adapter-root",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter; paths must be in here",
+    )
+    p.add_argument("--served-model-name", help="name of the base model in the API")
+    p.add_argument("--max-loras", type=int, help="distinct adapters in one step")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
+    p.add_argument("--max-num-seqs", type=int, help="sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step")
+    p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, help="pool size in pages")
+    pool.add_argument("--pool-memory-mb", type=int, help="pool size in MiB (default 512)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """EngineConfig fields given on the command line."""
+    names = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
+    names += ("max_model_len", "num_pages")
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.pool_memory_mb is not None:
+        overrides["pool_memory_bytes"] = args.pool_memory_mb << 20
+    return overrides
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]]]:
+    """The model dir and the adapters to register (demo adapters for the default model)."""
+    modules = list(args.lora_modules)
+    if args.model_dir:
+        return Path(args.model_dir), modules
+    from ort_lora.server.default_model import demo_adapters, ensure_default_model
+
+    demos = [(name, str(path)) for name, path in demo_adapters().items()]
+    return ensure_default_model(progress=True), demos + modules
+
+
+def build_app(args: argparse.Namespace):
+    """Engine + adapters + FastAPI app, from parsed arguments."""
+    from ort_lora.engine.async_engine import AsyncEngine
+    from ort_lora.server.app import create_app
+
+    model_dir, modules = resolve_model(args)
+    engine = AsyncEngine.from_model_dir(model_dir, **engine_overrides(args))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: duplicate adapter names in {names}")
+    for i, (name, path) in enumerate(modules, start=1):
+        engine.add_lora(LoRARequest(name, i, str(Path(path).expanduser().resolve())))
+    return create_app(
+        engine,
+        api_key=args.api_key,
+        adapter_root=args.adapter_root,
+        served_model_name=args.served_model_name,
+        model_root=str(model_dir),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
+        root = args.adapter_root
+        print(f"ort-lora serve: --adapter-root {root} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        app = build_app(args)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"ort-lora serve: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,104 @@
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause maps to a 4xx here (FastAPI's 422 validation errors become
+400); only a bug in the server itself gives a 500, and its message still has this shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("ort_lora.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with `status` and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status, message, param=None, code=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line per problem: `field.path: what is wrong (got value)`."""
+    lines, first_param = [], None
+    for err in exc.errors():
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        got = f" (got {err['input']!r})" if "input" in err and err["type"] != "missing" else ""
+        lines.append(f"{param or 'body'}: {err.get('msg', 'invalid')}{got}")
+    return "; ".join(lines)[:2000] or "invalid request body", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through OpenAI's format."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("internal error while serving %s", request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,114 @@
+"""Response bodies of the OpenAI API, built from the engine's CompletionOutputs: completion and
+chat choices, streamed chunks, logprobs in both of OpenAI's formats, usage. Pure functions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from ort_lora.outputs import CompletionOutput
+
+DecodeToken = Callable[[int], str]
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(kind: str, request_id: str, created: int, model: str, choices: list) -> dict:
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def _lp(value) -> float:
+    """A Logprob (or a bare float) as a float."""
+    return float(getattr(value, "logprob", value))
+
+
+def _top(position: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) of one position, best first."""
+    ranked = sorted(position.items(), key=lambda kv: -_lp(kv[1]))
+    return [(tid, _lp(v)) for tid, v in ranked[:k]]
+
+
+def _token_text(position: dict, tid: int, decode: DecodeToken) -> str:
+    value = position.get(tid)
+    text = getattr(value, "decoded_token", None)
+    return text if text is not None else decode(tid)
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict], k: int, decode: DecodeToken, offset: int
+) -> dict:
+    """OpenAI's legacy completions format; `offset`: text length before these tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, position in zip(token_ids, logprobs, strict=False):
+        text = _token_text(position, tid, decode)
+        tokens.append(text)
+        token_lps.append(_lp(position[tid]) if tid in position else None)
+        tops.append({_token_text(position, t, decode): lp for t, lp in _top(position, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(text: str, logprob: float | None) -> dict:
+    lp = -9999.0 if logprob is None else max(logprob, -9999.0)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, decode: DecodeToken) -> dict:
+    """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for tid, position in zip(token_ids, logprobs, strict=False):
+        entry = _chat_entry(_token_text(position, tid, decode), _lp(position.get(tid, -9999.0)))
+        entry["top_logprobs"] = [
+            _chat_entry(_token_text(position, t, decode), lp) for t, lp in _top(position, k)
+        ]
+        content.append(entry)
+    return {"content": content}
+
+
+class ChoiceTracker:
+    """What of one choice has been sent already, so streaming sends only the new part."""
+
+    def __init__(self, index: int, text_prefix: str = ""):
+        self.index = index
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.finished = False
+        self.text_prefix = text_prefix  # echo: the prompt, sent with the first delta
+
+    def delta(self, out: CompletionOutput) -> tuple[str, list[int], list[dict] | None]:
+        """New text, token ids and logprobs since the last call."""
+        text = out.text[self.sent_chars :]
+        ids = list(out.token_ids[self.sent_tokens :])
+        lps = None if out.logprobs is None else list(out.logprobs[self.sent_tokens :])
+        if self.text_prefix:
+            text, self.text_prefix = self.text_prefix + text, ""
+        self.sent_chars, self.sent_tokens = len(out.text), len(out.token_ids)
+        return text, ids, lps
+
+    def is_news(self, out: CompletionOutput) -> bool:
+        changed = len(out.text) > self.sent_chars or len(out.token_ids) > self.sent_tokens
+        return changed or (out.finish_reason is not None and not self.finished)

@@ -1,0 +1,310 @@
+"""Completions and chat completions: request -> engine.generate -> JSON or an SSE stream.
+
+The engine runs on its own thread; everything here is async and only awaits the engine's
+iterators. A client that goes away cancels the iteration, which aborts the request in the
+engine (its pages are freed within one step); `engine.abort` is called as well, to be sure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ort_lora.adapters.errors import AdapterNotFoundError
+from ort_lora.lora_request import LoRARequest
+from ort_lora.outputs import RequestOutput
+from ort_lora.server.errors import APIError, bad_request, model_not_found
+from ort_lora.server.formats import ChatFormat, CompletionFormat
+from ort_lora.server.metrics import RequestTimer, ServerMetrics
+from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
+from ort_lora.tokenizer import ChatTemplateError, read_chat_template
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class _Job:
+    """One prompt's generation: `first` is the engine's first output, `rest` the iterator."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    first: RequestOutput | None
+    rest: AsyncIterator[RequestOutput]
+    timer: RequestTimer
+
+    async def stream(self) -> AsyncIterator[RequestOutput]:
+        if self.first is not None:
+            yield self.first
+        async for out in self.rest:
+            yield out
+
+
+class OpenAIServing:
+    """Serves /v1/completions and /v1/chat/completions against one engine."""
+
+    def __init__(self, engine, metrics: ServerMetrics, base_name: str):
+        self.engine = engine
+        self.metrics = metrics
+        self.base_name = base_name
+        self._templates: dict[str, str | None] = {}  # adapter path -> its own chat template
+
+    # -- model and prompt resolution ------------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model; else 404."""
+        if name is None or name == self.base_name:
+            return None
+        for lora in self.engine.list_loras():
+            if lora.lora_name == name:
+                return lora
+        raise model_not_found(name)
+
+    def chat_template_for(self, lora: LoRARequest | None) -> str | None:
+        """An adapter's own chat template wins over the model's."""
+        if lora is None:
+            return None
+        if lora.lora_path not in self._templates:
+            self._templates[lora.lora_path] = read_chat_template(Path(lora.lora_path))
+        return self._templates[lora.lora_path]
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.engine.tokenizer.vocab_size
+        bad = [i for i in ids if i >= vocab]
+        if bad:
+            raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise bad_request("prompt is empty: it encodes to 0 tokens", "prompt")
+        return ids
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
+            asked = prompt_len + (requested or 0)
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the prompt, {requested or 0} in the "
+                "completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        return requested if requested is not None else limit - prompt_len
+
+    # -- engine calls ---------------------------------------------------------------------------
+
+    async def _open(self, index, prompt_ids, params, lora, request_id, model) -> _Job:
+        """Start one generation and wait for its first output (errors surface here)."""
+        agen = self.engine.generate(prompt_ids, params, lora_request=lora, request_id=request_id)
+        timer = RequestTimer(self.metrics, model, time.monotonic())
+        try:
+            first = await agen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except _queue_full_error() as exc:
+            raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
+        except AdapterNotFoundError as exc:
+            raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        return _Job(index, request_id, prompt_ids, first, agen, timer)
+
+    async def _open_all(self, raw, prompts, params, lora, request_id, model) -> list[_Job]:
+        opens = [
+            self._open(i, ids, p, lora, f"{request_id}-{i}", model)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        results = await _abort_on_disconnect(
+            raw, asyncio.gather(*opens, return_exceptions=True), self._aborter(request_id, prompts)
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for job in results:
+                if not isinstance(job, BaseException):
+                    await _close(self.engine, job)
+            raise errors[0]
+        return results
+
+    def _aborter(self, request_id: str, prompts: list):
+        def abort():
+            for i in range(len(prompts)):
+                with contextlib.suppress(Exception):
+                    self.engine.abort(f"{request_id}-{i}")
+
+        return abort
+
+    async def iterate(self, job: _Job) -> AsyncIterator[tuple[_Job, RequestOutput]]:
+        """The job's outputs, with metrics; aborts the job if iteration stops early."""
+        last = None
+        try:
+            async for out in job.stream():
+                last = out
+                job.timer.on_tokens(time.monotonic(), _num_tokens(out))
+                yield job, out
+        finally:
+            await _close(self.engine, job, last)
+
+    def iterate_all(self, jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]]:
+        return merge([self.iterate(job) for job in jobs])
+
+    async def _collect(self, job: _Job) -> RequestOutput:
+        last = None
+        async for _, out in self.iterate(job):
+            last = out
+        return last
+
+    # -- /v1/completions ------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
+        lora = self.resolve_model(req.model)
+        tok = self.engine.tokenizer
+        prompts = [
+            self._check_ids(tok.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts()
+        ]
+        params = [_sampling(req, self._max_tokens(req.max_tokens, len(p))) for p in prompts]
+        model = req.model or self.base_name
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        jobs = await self._open_all(raw, prompts, params, lora, request_id, model)
+        echo = [tok.decode(p) if req.echo else "" for p in prompts]
+        fmt = CompletionFormat(self, req, request_id, model, echo)
+        if req.stream:
+            return _sse_response(fmt.stream(jobs))
+        finals = await _abort_on_disconnect(
+            raw, asyncio.gather(*(self._collect(j) for j in jobs)), self._aborter(request_id, jobs)
+        )
+        return JSONResponse(fmt.full(jobs, finals))
+
+    # -- /v1/chat/completions -------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        lora = self.resolve_model(req.model)
+        tok = self.engine.tokenizer
+        template = req.chat_template or self.chat_template_for(lora)
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            text = tok.apply_chat_template(
+                messages, req.add_generation_prompt, template, **(req.chat_template_kwargs or {})
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        prompt = self._check_ids(tok.encode(text, add_special_tokens=False))
+        max_tokens = self._max_tokens(req.requested_max_tokens(), len(prompt))
+        params = [_sampling(req, max_tokens)]
+        model = req.model or self.base_name
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model)
+        fmt = ChatFormat(self, req, request_id, model)
+        if req.stream:
+            return _sse_response(fmt.stream(jobs))
+        final = await _abort_on_disconnect(
+            raw, self._collect(jobs[0]), self._aborter(request_id, jobs)
+        )
+        return JSONResponse(fmt.full(jobs[0], final))
+
+    def decode_token(self, tid: int) -> str:
+        return self.engine.tokenizer.decode([tid])
+
+
+def _queue_full_error() -> type[Exception]:
+    """The engine's QueueFullError (a 503)."""
+    try:
+        from ort_lora.engine.errors import QueueFullError
+    except ImportError:  # engines without admission limits never raise it
+        return _NeverRaised
+    return QueueFullError
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+def _sampling(req, max_tokens: int):
+    """The request's SamplingParams; their validation errors are 400s."""
+    try:
+        return req.sampling_params(max_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Interleave several async iterators as items arrive; cancelling stops them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+        finally:
+            await queue.put((done, None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
+
+
+async def _close(engine, job: _Job, last: RequestOutput | None = None) -> None:
+    """Finish one job: abort it in the engine unless it finished, record its metrics."""
+    finished = last is not None and last.finished
+    if not finished:
+        with contextlib.suppress(Exception):
+            engine.abort(job.request_id)
+    with contextlib.suppress(Exception):
+        await job.rest.aclose()
+    if finished:
+        reasons = [c.finish_reason for c in last.outputs]
+        job.timer.on_finish(time.monotonic(), len(job.prompt_ids), reasons)
+
+
+async def _abort_on_disconnect(raw: Request, awaitable, abort):
+    """Await `awaitable`, but cancel it and call `abort()` if the client disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                abort()
+                raise APIError(499, "client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,54 @@
+"""Run an app under a real uvicorn server on 127.0.0.1, on a free port, in a background
+thread (for tests, benchmarks and notebooks).
+
+    with ServerThread(create_app(engine)) as url:
+        openai.OpenAI(base_url=url + "/v1", api_key="x").models.list()
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+class ServerThread:
+    """Context manager: starts the server, yields its base URL, stops it on exit."""
+
+    def __init__(self, app, host: str = "127.0.0.1", startup_timeout_s: float = 120.0):
+        self.app = app
+        self.host = host
+        self.startup_timeout_s = startup_timeout_s
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+        self.url = ""
+
+    def __enter__(self) -> str:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        self._wait_started()
+        self.url = f"http://{self.host}:{port}"
+        return self.url
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread exited during startup (see its log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not started after {self.startup_timeout_s} s")
+            time.sleep(0.02)
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
