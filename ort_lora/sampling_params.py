@@ -36,9 +36,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        self._normalize()
         self._check_ints()
         self._check_floats()
+        self._normalize()
         self._check_stops()
 
     def _normalize(self):
@@ -46,9 +46,14 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        self.stop_token_ids = list(ids or [])
         if self.top_k == 0:
             self.top_k = -1
         if self.is_greedy:
