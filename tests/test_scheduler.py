@@ -336,6 +336,24 @@ def test_abort_frees_pages_and_pins():
     assert not sched.has_unfinished()
 
 
+def test_step_results_are_checked_before_any_change():
+    sched = make_scheduler()
+    sched.add(make_seq("a", 5))
+    sched.add(make_seq("b", 3, adapter=7, pages=2))
+    plan = sched.schedule()
+    assert plan.lora_slots == [(0, 7, plan.adapters[0].pages)]
+    with pytest.raises(ValueError, match="no sampled token for \\['b'\\]"):
+        sched.on_step_done(plan, {"a": 1})
+    with pytest.raises(ValueError, match="requests \\['zz'\\] sampled nothing"):
+        sched.on_step_done(plan, {"a": 1, "b": 2, "zz": 3})
+    with pytest.raises(ValueError, match="must be FINISHED_"):
+        sched.on_step_done(plan, {"a": 1, "b": 2}, {"a": SequenceStatus.WAITING})
+    assert sched.get("a").num_computed_tokens == 0 and not sched.get("a").output_token_ids
+    done = sched.on_step_done(plan, {"a": 1, "b": 2}, {"b": SequenceStatus.FINISHED_STOPPED})
+    assert [s.request_id for s in done] == ["b"] and done[0].status.finish_reason == "stop"
+    assert sched.get("a").num_computed_tokens == 5 and sched.pool.refcount(7) == 0
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="max_num_batched_tokens \\(4\\) must be >= max_num_seqs"):
         EngineConfig(num_pages=8, max_num_batched_tokens=4, max_num_seqs=8)

@@ -4,14 +4,18 @@ The engine loop, one step:
 
     plan = scheduler.schedule()                    # StepPlan, entries ordered by slot
     if plan.is_empty: wait for requests
-    for a in plan.loads: registry.load(a.adapter_id, a.pages)   # copy weights into the pool
-    inputs = build_metadata(plan, block_size) | registry.lora_arrays(plan.adapters)
+    for a in plan.loads:                           # copy weights into their fresh pages
+        registry.write_to_pool(a.adapter_id, a.pages, session.pool)
+    inputs = build_metadata(plan, block_size, buffers=buffers)
+    inputs |= registry.lora_step_inputs(plan.lora_slots, num_pages)
     logits = session.run(inputs)                   # [plan.num_logit_rows, vocab]
     tokens = {e.request_id: sample(logits[e.sample_row]) for e in plan.entries if e.sample}
     finished = {rid: SequenceStatus.FINISHED_STOPPED for rid in tokens if stop(rid)}
     done = scheduler.on_step_done(plan, tokens, finished)   # frees pages, releases adapters
 
 add(seq) and abort(request_id) are called between steps, from the engine loop's thread.
+Sequence.adapter_id is the registry's int adapter id (LoRARequest.lora_int_id), None = base,
+and Sequence.adapter_pages = registry.num_pages_needed(adapter_id).
 
 Rules of schedule() (every step, Orca-style continuous batching):
 1. Decode first: every running sequence with one pending token runs it, oldest first. When
@@ -232,10 +236,7 @@ class Scheduler:
                   max_tokens / max_model_len end a sequence as FINISHED_LENGTH here.
         """
         finished = dict(finished or {})
-        sampled_ids = {e.request_id for e in plan.entries if e.sample}
-        unknown = (set(sampled) | set(finished)) - sampled_ids
-        if unknown:
-            raise ValueError(f"on_step_done: requests {sorted(unknown)} sampled nothing in plan")
+        self._check_results(plan, sampled, finished)
         done = []
         for e in plan.entries:
             seq = self.requests.get(e.request_id)
@@ -243,8 +244,6 @@ class Scheduler:
                 continue  # aborted after schedule()
             self._advance(seq, e)
             if e.sample:
-                if e.request_id not in sampled:
-                    raise ValueError(f"on_step_done: no sampled token for {e.request_id!r}")
                 seq.append_token(sampled[e.request_id])
                 status = finished.get(e.request_id) or self._length_status(seq)
                 if status is not None:
@@ -252,6 +251,19 @@ class Scheduler:
                     self._forget(seq, status)
                     done.append(seq)
         return done
+
+    def _check_results(self, plan: StepPlan, sampled: Mapping, finished: Mapping) -> None:
+        """ValueError, before any change, if the engine's results do not match the plan."""
+        sampled_ids = {e.request_id for e in plan.entries if e.sample}
+        unknown = (set(sampled) | set(finished)) - sampled_ids
+        if unknown:
+            raise ValueError(f"on_step_done: requests {sorted(unknown)} sampled nothing in plan")
+        live = {r for r in sampled_ids if r in self.requests}
+        if live - set(sampled):
+            raise ValueError(f"on_step_done: no sampled token for {sorted(live - set(sampled))}")
+        bad = {r: s for r, s in finished.items() if not s.is_finished}
+        if bad:
+            raise ValueError(f"on_step_done: finished statuses must be FINISHED_*, got {bad}")
 
     def _advance(self, seq: Sequence, e: ScheduledSeq) -> None:
         assert seq.num_computed_tokens == e.start_pos, f"{seq} ran out of order"

@@ -83,6 +83,11 @@ class StepPlan:
         return not self.entries
 
     @property
+    def lora_slots(self) -> list[tuple[int, Hashable, tuple[int, ...]]]:
+        """[(slot, adapter_id, pages)]: what AdapterRegistry.lora_step_inputs takes."""
+        return [(a.slot, a.adapter_id, a.pages) for a in self.adapters]
+
+    @property
     def loads(self) -> tuple[StepAdapter, ...]:
         """Adapters whose weights must be copied into their pages before this step runs."""
         return tuple(a for a in self.adapters if a.needs_load)
