@@ -7,7 +7,7 @@ converts with the model's page size (one page = one KV block of every layer, K a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ort_lora.contract import ModelManifest
 
@@ -81,6 +81,16 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+
+    def resolved(self, manifest: ModelManifest) -> EngineConfig:
+        """A copy for this model with num_pages and max_model_len filled in (what the
+        Scheduler and PagePool should be built from)."""
+        return replace(
+            self,
+            num_pages=self.num_pages_for(manifest),
+            pool_memory_bytes=None,
+            max_model_len=self.model_len(manifest),
+        )
 
     def num_pages_for(self, manifest: ModelManifest) -> int:
         """Pool size in pages for this model (checks block_size and max_model_len against it)."""

@@ -17,13 +17,10 @@ from ort_lora.config import EngineConfig
 from ort_lora.engine import (
     MetadataBuffers,
     PagePool,
-    ScheduledSeq,
     Scheduler,
     Sequence,
     SequenceStatus,
-    StepAdapter,
     build_metadata,
-    make_plan,
 )
 
 VOCAB, EOS = 97, 0
@@ -363,59 +360,29 @@ def test_config_validation():
         EngineConfig(num_pages=8, pool_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(4\\)"):
         EngineConfig(num_pages=8, max_cpu_loras=2)
-
-
-# ---- metadata arrays ---------------------------------------------------------------------------
-
-
-def test_metadata_arrays_by_hand():
-    bs = 4
-    entries = [  # given out of slot order on purpose
-        ScheduledSeq("w", (41, 42, 43), 2, (6, 1), 1, (0, 1, 2), True, 2),
-        ScheduledSeq("y", (21, 22, 23), 0, (4,), 0, (2,), True),
-        ScheduledSeq("x", (11, 12), 5, (7, 2), -1, (1,), True),
-        ScheduledSeq("z", (31,), 3, (0, 5, 3), 0, (), False),
-    ]
-    adapters = [StepAdapter(1, "B", (8,), False), StepAdapter(0, "A", (9, 10), True)]
-    plan = make_plan(entries, adapters, ())
-    assert [e.request_id for e in plan.entries] == ["x", "y", "z", "w"]
-    assert [e.logits_offset for e in plan.entries] == [0, 1, 2, 2]
-    assert [e.sample_row for e in plan.entries] == [0, 1, None, 4]
-    assert [a.adapter_id for a in plan.adapters] == ["A", "B"] and plan.loads[0].pages == (9, 10)
-    m = build_metadata(plan, bs, buffers=MetadataBuffers())
-    # x: positions 5, 6 -> block 1 (page 2) offsets 1, 2 -> 9, 10
-    # y: positions 0..2 -> page 4 -> 16, 17, 18;  z: position 3 -> page 0 offset 3 -> 3
-    # w: positions 2, 3 -> page 6 -> 26, 27; position 4 -> block 1 (page 1) offset 0 -> 4
-    want = {
-        C.INPUT_IDS: [11, 12, 21, 22, 23, 31, 41, 42, 43],
-        C.POSITION_IDS: [5, 6, 0, 1, 2, 3, 2, 3, 4],
-        C.CU_SEQLENS: [0, 2, 5, 6, 9],
-        C.PAST_SEQLENS: [5, 0, 3, 2],
-        C.BLOCK_TABLE: [[7, 2, -1], [4, -1, -1], [0, 5, 3], [6, 1, -1]],
-        C.SLOT_MAPPING: [9, 10, 16, 17, 18, 3, 26, 27, 4],
-        C.LOGITS_INDICES: [1, 4, 6, 7, 8],
-        C.LORA_SEG_STARTS: [0, 2, 6, 9],
-        C.LORA_SEG_SLOTS: [-1, 0, 1],
-    }
-    assert set(m) == set(want)
-    for name, values in want.items():
-        assert m[name].tolist() == values, name
-        assert m[name].flags.c_contiguous
-    dtypes = {C.INPUT_IDS: np.int64, C.POSITION_IDS: np.int64, C.LOGITS_INDICES: np.int64}
-    for name in want:
-        assert m[name].dtype == dtypes.get(name, np.int32), name
-    wide = build_metadata(plan, bs, max_blocks=5)[C.BLOCK_TABLE]
-    assert wide.shape == (4, 5) and wide[1].tolist() == [4, -1, -1, -1, -1]
-    with pytest.raises(ValueError, match="max_blocks 2 < the longest block table \\(3\\)"):
-        build_metadata(plan, bs, max_blocks=2)
-
-
-def test_metadata_buffers_are_reused():
-    buffers = MetadataBuffers()
-    big = make_plan([ScheduledSeq("a", tuple(range(1, 9)), 0, (3, 4), -1, (7,), True)], [])
-    small = make_plan([ScheduledSeq("b", (5,), 8, (1, 2, 6), -1, (0,), True)], [])
-    first = build_metadata(big, 4, buffers=buffers)[C.SLOT_MAPPING]
-    second = build_metadata(small, 4, buffers=buffers)[C.SLOT_MAPPING]
-    assert np.shares_memory(first, second) and second.tolist() == [6 * 4 + 0]
-    with pytest.raises(ValueError, match="schedules no sequence"):
-        build_metadata(make_plan([], []), 4)
+    manifest = C.ModelManifest(
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        num_layers=3,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=512,
+        block_size=8,
+        dtype="float32",
+        device="cpu",
+        lora_targets={},
+        eos_token_ids=[2],
+    )
+    page = 3 * 2 * 8 * 2 * 16 * 4  # layers x K|V x block_size x kv_heads x head_dim x 4 bytes
+    cfg = EngineConfig(block_size=8, pool_memory_bytes=10 * page + page // 2).resolved(manifest)
+    assert (cfg.num_pages, cfg.pool_memory_bytes, cfg.max_model_len) == (10, None, 512)
+    with pytest.raises(ValueError, match="block_size 16 does not match the exported .* 8"):
+        EngineConfig(num_pages=4).resolved(manifest)
+    with pytest.raises(ValueError, match="max_model_len 600 exceeds .* 512"):
+        EngineConfig(num_pages=4, block_size=8, max_model_len=600).resolved(manifest)
+    with pytest.raises(ValueError, match="holds no page"):
+        EngineConfig(pool_memory_bytes=page - 1, block_size=8).resolved(manifest)

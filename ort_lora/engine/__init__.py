@@ -1,7 +1,13 @@
 """The engine's bookkeeping: unified page pool, sequences, scheduler, step plan.
 
 Pure Python + numpy: nothing here imports onnxruntime or torch. The flow of one step is
-documented at the top of scheduler.py.
+documented at the top of scheduler.py. Wiring:
+
+    config = EngineConfig(max_loras=4, pool_memory_bytes=1 << 30).resolved(manifest)
+    pool = PagePool(config.num_pages)          # the session's pool has the same num_pages
+    scheduler = Scheduler(config, pool)
+    scheduler.add(Sequence(request_id, prompt_ids, params.max_tokens, lora_int_id,
+                           registry.num_pages_needed(lora_int_id), params, wants_logprobs))
 """
 
 from ort_lora.engine.pool import PagePool, PoolExhausted, PoolStats

@@ -34,7 +34,8 @@ Rules of schedule() (every step, Orca-style continuous batching):
    does not fit stops the walk, so later small requests cannot starve a long prompt.
    Adapter fairness: a request blocked only by the max_loras cap may be passed over by later
    requests of active adapters (or base), but only in max_adapter_wait_steps steps; after
-   that the walk stops at it, active adapters drain, and the first slot that frees is its.
+   that the walk stops at it, active adapters drain, and the first slot that frees goes to
+   it (or to an older request ahead of it in the queue).
    So a rare adapter waits at most max_adapter_wait_steps steps + one running request's
    lifetime, however many requests of popular adapters keep arriving.
 """
