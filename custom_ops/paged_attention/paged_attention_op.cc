@@ -36,6 +36,14 @@ T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
   }
 }
 
+int64_t RequiredInt(const Ort::ConstKernelInfo& ki, const char* name) {
+  try {
+    return ki.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    Fail("attribute '", name, "' (int) is required");
+  }
+}
+
 const int32_t* Int32Data(const InputView& v) {
   return v.present ? v.value.GetTensorData<int32_t>() : nullptr;
 }
@@ -98,8 +106,8 @@ void CheckRotaryRows(const PagedAttentionArgs& a, int64_t rows) {
 
 PagedAttentionKernel::PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
-  num_heads_ = ki.GetAttribute<int64_t>("num_heads");
-  kv_num_heads_ = ki.GetAttribute<int64_t>("kv_num_heads");
+  num_heads_ = RequiredInt(ki, "num_heads");
+  kv_num_heads_ = RequiredInt(ki, "kv_num_heads");
   scale_ = AttrOr<float>(ki, "scale", 0.0f);
   do_rotary_ = AttrOr<int64_t>(ki, "do_rotary", 0);
   rotary_interleaved_ = AttrOr<int64_t>(ki, "rotary_interleaved", 0);
