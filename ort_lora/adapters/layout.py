@@ -132,7 +132,9 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray) -> None:
 
 
 def _copy_rows(flat: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> None:
-    """flat [L, E] <- rows [L, R, n] at starts [R]."""
+    """flat [L, E] <- rows [L, R, n] at starts [R]; rows placed back to back copy as one block."""
     n = rows.shape[2]
-    for j, s in enumerate(starts.tolist()):
-        flat[:, s : s + n] = rows[:, j]
+    breaks = np.flatnonzero(np.diff(starts) != n) + 1
+    for lo, hi in zip([0, *breaks.tolist()], [*breaks.tolist(), len(starts)]):
+        s = int(starts[lo])
+        flat[:, s : s + (hi - lo) * n] = rows[:, lo:hi].reshape(len(rows), -1)

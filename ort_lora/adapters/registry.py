@@ -175,6 +175,11 @@ class AdapterRegistry:
         self._last_step = (key, out)
         return out
 
+    def clear_step_cache(self) -> None:
+        """Drop the cached per-(adapter, pages) step inputs (they are rebuilt on demand)."""
+        self._step_parts.clear()
+        self._last_step = None
+
     def _slot_part(self, aid: int, pages: tuple, num_pages: int) -> dict:
         """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L]) for one slot."""
         key = (aid, pages, num_pages)
