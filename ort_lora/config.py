@@ -35,7 +35,7 @@ class EngineConfig:
     num_pages:              pool size in pages; or give pool_memory_bytes instead
     pool_memory_bytes:      pool size in bytes, converted with the model's page size
                             (neither given: 512 MiB)
-    block_size:             tokens per KV block; must equal the exported model's block_size
+    block_size:             tokens per KV block; None = the exported model's (must match it)
     max_model_len:          prompt + output tokens of one request; None = the model's limit
                             (the engine resolves it with model_len(manifest) before building
                             the Scheduler; a Scheduler given None bounds requests by the pool)
@@ -49,14 +49,15 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     num_pages: int | None = None
     pool_memory_bytes: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     max_model_len: int | None = None
     max_adapter_wait_steps: int = 4
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras"):
             _check_positive(name, getattr(self, name))
-        for name in ("num_pages", "pool_memory_bytes", "max_model_len", "max_cpu_loras"):
+        optional = ("num_pages", "pool_memory_bytes", "max_model_len", "max_cpu_loras")
+        for name in (*optional, "block_size"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.max_adapter_wait_steps < 0:
@@ -83,11 +84,12 @@ class EngineConfig:
             )
 
     def resolved(self, manifest: ModelManifest) -> EngineConfig:
-        """A copy for this model with num_pages and max_model_len filled in (what the
-        Scheduler and PagePool should be built from)."""
+        """A copy for this model with num_pages, block_size and max_model_len filled in
+        (what the Scheduler and PagePool are built from)."""
         return replace(
             self,
             num_pages=self.num_pages_for(manifest),
+            block_size=manifest.block_size,
             pool_memory_bytes=None,
             max_model_len=self.model_len(manifest),
         )
@@ -111,7 +113,7 @@ class EngineConfig:
 
     def check_model(self, manifest: ModelManifest) -> None:
         """Raise ValueError if this config cannot drive the exported model."""
-        if manifest.block_size != self.block_size:
+        if self.block_size is not None and manifest.block_size != self.block_size:
             raise ValueError(
                 f"block_size {self.block_size} does not match the exported model's "
                 f"block_size {manifest.block_size}"

@@ -378,10 +378,13 @@ def test_config_validation():
         eos_token_ids=[2],
     )
     page = 3 * 2 * 8 * 2 * 16 * 4  # layers x K|V x block_size x kv_heads x head_dim x 4 bytes
-    cfg = EngineConfig(block_size=8, pool_memory_bytes=10 * page + page // 2).resolved(manifest)
+    cfg = EngineConfig(pool_memory_bytes=10 * page + page // 2).resolved(manifest)
     assert (cfg.num_pages, cfg.pool_memory_bytes, cfg.max_model_len) == (10, None, 512)
+    assert cfg.block_size == 8
+    with pytest.raises(ValueError, match="build it from config.resolved\\(manifest\\)"):
+        Scheduler(EngineConfig(num_pages=8), PagePool(8))
     with pytest.raises(ValueError, match="block_size 16 does not match the exported .* 8"):
-        EngineConfig(num_pages=4).resolved(manifest)
+        EngineConfig(num_pages=4, block_size=16).resolved(manifest)
     with pytest.raises(ValueError, match="max_model_len 600 exceeds .* 512"):
         EngineConfig(num_pages=4, block_size=8, max_model_len=600).resolved(manifest)
     with pytest.raises(ValueError, match="holds no page"):

@@ -82,6 +82,10 @@ class Scheduler:
     """Owns the waiting queue and running list; see the module docstring for the rules."""
 
     def __init__(self, config: EngineConfig, pool: PagePool):
+        if config.block_size is None:
+            raise ValueError(
+                "Scheduler needs config.block_size; build it from config.resolved(manifest)"
+            )
         self.config = config
         self.pool = pool
         self.waiting: deque[Sequence] = deque()
