@@ -320,6 +320,26 @@ def test_add_rejects_requests_that_can_never_fit():
         Sequence("m", [1], 0)
 
 
+def test_resized_adapter_is_dropped_when_idle_refused_when_running():
+    sched = make_scheduler()
+    sched.add(make_seq("a", 3, max_tokens=1, adapter=5, pages=2))
+    plan = sched.schedule()
+    sched.add(make_seq("b", 3, adapter=5, pages=2))  # same size: fine while running
+    with pytest.raises(ValueError, match="adapter 5 needs 3 pages but running .* with 2"):
+        sched.add(make_seq("c", 3, adapter=5, pages=3))
+    sched.on_step_done(plan, {"a": 1})  # a done; b not admitted yet, so 5 is idle
+    sched.add(make_seq("d", 3, adapter=6, pages=1))
+    assert sched.pool.is_resident(5)
+    sched.abort("b")
+    sched.add(make_seq("c", 3, adapter=5, pages=3))  # new weights for id 5: stale copy dropped
+    assert not sched.pool.is_resident(5)
+    plan = sched.schedule()
+    assert {(a.adapter_id, len(a.pages), a.needs_load) for a in plan.adapters} == {
+        (5, 3, True),
+        (6, 1, True),
+    }
+
+
 def test_abort_frees_pages_and_pins():
     sched = make_scheduler(num_pages=16)
     sched.add(make_seq("a", 9, adapter="A", pages=3))

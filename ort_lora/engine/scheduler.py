@@ -104,6 +104,7 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
             raise ValueError(f"request {seq.request_id!r} is not a fresh sequence: {seq}")
         self._check_fits(seq)
+        self._check_adapter_size(seq)
         seq.arrival = next(self._arrivals)
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
@@ -123,6 +124,19 @@ class Scheduler:
                 f"request {rid}: prompt + max_tokens = {total} tokens need {blocks} KV pages"
                 f" + {seq.adapter_pages} adapter pages, more than the pool's "
                 f"{self.pool.num_pages} pages; lower max_tokens or grow the pool"
+            )
+
+    def _check_adapter_size(self, seq: Sequence) -> None:
+        """A resident adapter of another size is stale (reloaded with new weights): drop it
+        if idle; if running requests still use it, refuse the request."""
+        aid = seq.adapter_id
+        if aid is None or not self.pool.is_resident(aid):
+            return
+        held = len(self.pool.adapter_pages(aid))
+        if held != seq.adapter_pages and not self.pool.drop_adapter(aid):
+            raise ValueError(
+                f"request {seq.request_id}: adapter {aid!r} needs {seq.adapter_pages} pages "
+                f"but running requests use it with {held}; wait for them or use a new id"
             )
 
     def abort(self, request_id: str) -> bool:
