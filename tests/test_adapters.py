@@ -187,15 +187,15 @@ def test_rows_stay_inside_pages_and_halves(adapters):
     assert all(e <= s for (_, e), (s, _) in zip(used, used[1:])), "rows overlap"
 
 
-def test_bfloat16_adapter_loads(tmp_path):
-    model = make_adapter(tmp_path / "bf16", 11, dtype=torch.bfloat16, r=4, lora_alpha=8,
+@pytest.mark.parametrize("dtype, tag", [("bfloat16", "BF16"), ("float16", "F16")])
+def test_half_precision_adapter_loads(tmp_path, dtype, tag):
+    model = make_adapter(tmp_path / "half", 11, dtype=getattr(torch, dtype), r=4, lora_alpha=8,
                          target_modules=["q_proj", "down_proj"])  # fmt: skip
-    header_len = int.from_bytes((tmp_path / "bf16/adapter_model.safetensors").read_bytes()[:8],
-                                "little")  # fmt: skip
-    raw = (tmp_path / "bf16/adapter_model.safetensors").read_bytes()[8 : 8 + header_len]
-    assert "BF16" in raw.decode()
+    raw = (tmp_path / "half/adapter_model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {tag}
     reg = AdapterRegistry(manifest())
-    w = reg.register(LoRARequest("bf16", 1, str(tmp_path / "bf16"))).modules["down_proj"]
+    w = reg.register(LoRARequest("half", 1, str(tmp_path / "half"))).modules["down_proj"]
     lin = model.base_model.model.model.layers[1].mlp.down_proj
     a = lin.lora_A["default"].weight.detach().float().numpy()  # [r, in]
     b = lin.lora_B["default"].weight.detach().float().numpy()  # [out, r]
@@ -244,6 +244,40 @@ def test_refuses_pickle_weights(adapters, tmp_path):
         reg.register(LoRARequest("p", 1, str(bad)))
     with pytest.raises(AdapterError, match="safetensors only"):
         reg.register(LoRARequest("p", 1, str(bad / "adapter_model.bin")))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.update({"base_model.model.lm_head.lora_A.weight": np.ones((4, 64))}),
+         "'base_model.model.lm_head.lora_A.weight' is not a LoRA A/B weight of a layer"),
+        (lambda t: t.pop("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"),
+         r"v_proj\.lora_A\.weight' has no matching lora_B"),
+        (lambda t: t.update({"base_model.model.model.layers.0.self_attn.rotary.lora_A.weight":
+                             np.ones((4, 64)), "base_model.model.model.layers.0.self_attn.rotary"
+                             ".lora_B.weight": np.ones((64, 4))}), "targets module 'rotary'"),
+    ],
+)  # fmt: skip
+def test_refuses_bad_tensors(adapters, tmp_path, edit, message):
+    from safetensors.numpy import load_file, save_file
+
+    root, _ = adapters
+    bad = shutil.copytree(root / "qv4", tmp_path / "bad")
+    tensors = load_file(bad / "adapter_model.safetensors")
+    edit(tensors)
+    tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
+    save_file(tensors, bad / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=message):
+        AdapterRegistry(manifest()).register(LoRARequest("bad", 1, str(bad)))
+
+
+def test_refuses_truncated_safetensors(adapters, tmp_path):
+    root, _ = adapters
+    bad = shutil.copytree(root / "qv4", tmp_path / "bad")
+    data = (bad / "adapter_model.safetensors").read_bytes()
+    (bad / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterError, match="does not fit"):
+        AdapterRegistry(manifest()).register(LoRARequest("bad", 1, str(bad)))
 
 
 def test_refuses_adapter_of_another_base_model(tmp_path):
