@@ -62,6 +62,7 @@ def write_tokenizer(source: CheckpointSource, out_dir: Path) -> list[str]:
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, out_dir / name)
+    _embed_chat_template(out_dir)
     written = sorted(name for name in TOKENIZER_FILES if (out_dir / name).is_file())
     if "tokenizer.json" not in written and "tokenizer.model" not in written:
         print(f"warning: no tokenizer found in {source.path}; the export has none", file=sys.stderr)
@@ -73,3 +74,15 @@ def write_generation_config(source: CheckpointSource, out_dir: Path) -> None:
     gen = {k: v for k, v in source.generation_config.items() if not k.startswith("_")}
     if gen:
         (out_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, default=str) + "\n")
+
+
+def _embed_chat_template(out_dir: Path) -> None:
+    """Also put the chat template inside tokenizer_config.json (transformers 5 writes it to
+    chat_template.jinja only; older readers look for the key)."""
+    config_path, template = out_dir / "tokenizer_config.json", out_dir / "chat_template.jinja"
+    if not (config_path.is_file() and template.is_file()):
+        return
+    config = json.loads(config_path.read_text())
+    if "chat_template" not in config:
+        config["chat_template"] = template.read_text()
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

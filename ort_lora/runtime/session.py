@@ -159,7 +159,6 @@ class ModelSession:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 self.binding.bind_ortvalue_input(name, value)
                 self._pool_values.append(value)
-        self.binding.bind_output(C.LOGITS, "cpu")
 
     def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """One step: bind the metadata inputs, run, return logits float32 [N, vocab]."""
@@ -171,6 +170,9 @@ class ModelSession:
             arr = np.ascontiguousarray(value)
             keep.append(arr)
             self.binding.bind_cpu_input(name, arr)
+        # logits change shape every step: let ORT allocate them afresh
+        self.binding.clear_binding_outputs()
+        self.binding.bind_output(C.LOGITS, "cpu")
         t1 = time.perf_counter()
         self.ort_session.run_with_iobinding(self.binding)
         t2 = time.perf_counter()

@@ -1,0 +1,133 @@
+"""`ort-lora export MODEL OUTDIR [options]`: errors print a message and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ort_lora.contract import LORA_MODULES
+from ort_lora.export.errors import ExportError
+
+VERIFY_EXTRAS = {"verify_tol": float, "verify_steps": int, "verify_prompts": int}
+DEFAULT_VERIFY_TOL = 1e-3
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ort-lora export",
+        description="Export a local Hugging Face checkpoint directory or .gguf file to an "
+        "ort-lora model directory (ONNX graph, manifest, tokenizer).",
+    )
+    p.add_argument("model", help="checkpoint directory (config.json + *.safetensors) or .gguf")
+    p.add_argument("outdir", help="output directory")
+    p.add_argument(
+        "--lora-targets",
+        default=",".join(LORA_MODULES),
+        help="comma list of LoRA target modules (default: all seven)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (cpu, default) or float16/bfloat16 (cuda, default float16)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--force", action="store_true", help="replace an existing export in OUTDIR")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare logits with transformers after export (prefill + decode)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="rare options: max_position_embeddings=N, verify_tol=X, "
+        "verify_steps=N, verify_prompts=N",
+    )
+    return p
+
+
+def parse_extra(items: list[str]) -> tuple[dict, dict]:
+    """(export extras, verify extras) from KEY=VALUE strings."""
+    export, verify = {}, {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ExportError(f"--extra expects KEY=VALUE, got {item!r}")
+        if key in VERIFY_EXTRAS:
+            try:
+                verify[key] = VERIFY_EXTRAS[key](value)
+            except ValueError:
+                raise ExportError(f"--extra {key}={value!r}: expected a number") from None
+        else:
+            export[key] = value
+    return export, verify
+
+
+def run(args: argparse.Namespace) -> int:
+    from ort_lora.export.exporter import export_model
+
+    extra, verify_opts = parse_extra(args.extra)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
+    out = export_model(
+        args.model,
+        args.outdir,
+        lora_targets=args.lora_targets,
+        dtype=dtype,
+        block_size=args.block_size,
+        device=args.device,
+        force=args.force,
+        progress=not args.quiet,
+        extra=extra,
+    )
+    print(f"exported {args.model} -> {out}")
+    if not args.verify:
+        return 0
+    from ort_lora.export.verify import verify_export
+
+    tol = verify_opts.get("verify_tol", DEFAULT_VERIFY_TOL)
+    diff = verify_export(
+        args.model,
+        out,
+        num_prompts=verify_opts.get("verify_prompts", 3),
+        steps=verify_opts.get("verify_steps", 8),
+    )
+    ok = diff <= tol
+    print(
+        f"verify: max |logits - transformers| = {diff:.3g} (tolerance {tol:g}): "
+        f"{'OK' if ok else 'FAILED'}"
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `ort-lora export`; returns the exit code."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (or --help)
+        return int(e.code or 0)
+    try:
+        return run(args)
+    except ExportError as e:
+        print(f"ort-lora export: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ort-lora export: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # never a stack trace for users; ORT_LORA_DEBUG=1 shows it
+        if os.environ.get("ORT_LORA_DEBUG"):
+            raise
+        print(
+            f"ort-lora export: error: {type(e).__name__}: {e} "
+            "(set ORT_LORA_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

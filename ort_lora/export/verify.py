@@ -1,0 +1,88 @@
+"""--verify: compare an export with transformers on the same checkpoint.
+
+For each prompt: prefill (logits of the last prompt token), then greedy decode steps through the
+paged cache (one token per step, the pages of the sequence spread over several blocks), each
+compared with transformers running with its own KV cache. Returns the max |logit difference|.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ort_lora.export.errors import ExportError
+
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,")
+
+
+def load_reference(model_path):
+    """The transformers model (float32, eval) of a checkpoint dir or .gguf file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    kwargs = {"dtype": torch.float32}
+    if path.is_file():
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, **kwargs
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+
+
+def _prompt_ids(out_dir: Path, vocab: int, count: int) -> list[list[int]]:
+    if (out_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(out_dir))
+        return [tok(p)["input_ids"] for p in PROMPTS[:count]]
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, size=n).tolist() for n in (7, 13, 20)[:count]]
+
+
+def reference_step(model, token_ids: list[int], cache=None):
+    """(logits [len(token_ids), vocab] numpy, cache) of transformers with its own KV cache;
+    the cache keyword is `cache` in recent transformers, `past_key_values` before."""
+    import inspect
+
+    import torch
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), use_cache=True, **{key: cache})
+    return out.logits[0].numpy(), getattr(out, key)
+
+
+def compare_greedy(reference, session, prompt: list[int], steps: int) -> float:
+    """Max |logits diff| over the prefill and `steps` greedy decode steps of one prompt."""
+    from ort_lora.runtime.session import SequenceStep
+
+    bs = session.manifest.block_size
+    blocks = list(range(-(-(len(prompt) + steps) // bs)))
+    logits, cache = reference_step(reference, prompt)
+    ref = logits[-1]  # [vocab]
+    ours = session.step([SequenceStep(prompt, 0, blocks)])[0]
+    worst = float(np.abs(ours - ref).max())
+    for past in range(len(prompt), len(prompt) + steps):
+        token = int(ref.argmax())
+        logits, cache = reference_step(reference, [token], cache)
+        ref = logits[-1]
+        ours = session.step([SequenceStep([token], past, blocks)])[0]
+        worst = max(worst, float(np.abs(ours - ref).max()))
+    return worst
+
+
+def verify_export(model_path, out_dir, *, num_prompts: int = 3, steps: int = 8) -> float:
+    """Max |logits diff| between the export in out_dir and transformers on model_path."""
+    from ort_lora.contract import ModelManifest
+    from ort_lora.runtime.session import ModelSession
+
+    out_dir = Path(out_dir)
+    manifest = ModelManifest.load(out_dir)
+    if manifest.device != "cpu":
+        raise ExportError(f"--verify runs on CPU; this export is for device {manifest.device}")
+    prompts = _prompt_ids(out_dir, manifest.vocab_size, num_prompts)
+    pages = max(-(-(len(p) + steps) // manifest.block_size) for p in prompts)
+    session = ModelSession(out_dir, num_pages=pages)
+    reference = load_reference(model_path)
+    return max(compare_greedy(reference, session, p, steps) for p in prompts)

