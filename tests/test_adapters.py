@@ -166,6 +166,8 @@ def test_step_inputs_shapes_and_defaults(adapters):
     assert step[lora_input_name("q_proj", "a_offsets")].dtype == np.int64
     assert step[lora_input_name("q_proj", "scales")].dtype == np.float32
     assert reg.lora_step_inputs([(2, 7, pages)], NUM_PAGES) is step  # steady-state decode
+    by_name = reg.lora_step_inputs([(2, "qv4", pages)], NUM_PAGES)
+    assert all(np.array_equal(by_name[k], v) for k, v in step.items())
 
 
 def test_rows_stay_inside_pages_and_halves(adapters):

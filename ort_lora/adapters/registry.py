@@ -18,8 +18,8 @@ from ort_lora.adapters.layout import layout, num_pages_needed, write_to_pool
 from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
-# (slot, adapter int id, pages) for each adapter slot of a step
-StepSlots = list[tuple[int, int, tuple[int, ...]]]
+# (slot, adapter int id or name, pages) for each adapter slot of a step
+StepSlots = list[tuple[int, int | str, tuple[int, ...]]]
 _MAX_STEP_ENTRIES = 1024
 
 
@@ -159,12 +159,12 @@ class AdapterRegistry:
     def lora_step_inputs(self, slots: StepSlots, num_pages: int) -> dict[str, np.ndarray]:
         """The lora_{m}_{a_offsets,b_offsets,ranks,scales} graph inputs of one step.
 
-        slots: (slot, adapter int id, pages) per adapter slot; slots not listed (and modules an
-        adapter does not target) get rank 0; no slots -> one dummy slot of rank 0. num_pages:
-        pages in the pool. Cached per (adapter, pages); the returned arrays are shared with the
-        cache and must not be modified.
+        slots: (slot, adapter int id or name, pages) per adapter slot; slots not listed (and
+        modules an adapter does not target) get rank 0; no slots -> one dummy slot of rank 0.
+        num_pages: pages in the pool (offsets of value halves depend on it). Cached per
+        (adapter, pages); the returned arrays are shared with the cache: do not modify them.
         """
-        key = (num_pages, tuple((int(s), int(a), tuple(int(p) for p in pg)) for s, a, pg in slots))
+        key = (num_pages, tuple((int(s), a, tuple(int(p) for p in pg)) for s, a, pg in slots))
         if self._last_step is not None and self._last_step[0] == key:
             return self._last_step[1]
         slot_ids = [s for s, _, _ in key[1]]
@@ -180,8 +180,9 @@ class AdapterRegistry:
         self._step_parts.clear()
         self._last_step = None
 
-    def _slot_part(self, aid: int, pages: tuple, num_pages: int) -> dict:
+    def _slot_part(self, name_or_id: str | int, pages: tuple, num_pages: int) -> dict:
         """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L]) for one slot."""
+        aid = self.request(name_or_id).lora_int_id
         key = (aid, pages, num_pages)
         if key in self._step_parts:
             self._step_parts.move_to_end(key)
