@@ -137,18 +137,23 @@ ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   }
 }
 
-// Rows [0, n) of one column strip [c, c + NQ * lanes): 4-row tiles, then single rows.
-template <typename V, int NQ>
-ORT_LORA_INLINE void ExpandStrip(const float* v, const SgmvSegment& s, int64_t n, int64_t c,
-                                 const float* y, float* y_out, int64_t ldy) {
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4)
-    ExpandTile<V, 4, NQ>(v + t * s.rank, s.rank, s.bt_rows, s.rank, c, s.scale, y + t * ldy,
-                         y_out + t * ldy, ldy);
-  for (; t < n; ++t)
-    ExpandTile<V, 1, NQ>(v + t * s.rank, s.rank, s.bt_rows, s.rank, c, s.scale, y + t * ldy,
-                         y_out + t * ldy, ldy);
+// Columns [c0, c1) of MR rows: 4-vector strips, then 1-vector strips, then a scalar tail.
+template <typename V, int MR>
+ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0, int64_t c1,
+                                const float* y, float* y_out, int64_t ldy) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const int64_t r = s.rank;
+  int64_t c = c0;
+  for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
+    ExpandTile<V, MR, 4>(v, r, s.bt_rows, r, c, s.scale, y, y_out, ldy);
+  for (; c + kLanes <= c1; c += kLanes)
+    ExpandTile<V, MR, 1>(v, r, s.bt_rows, r, c, s.scale, y, y_out, ldy);
+  for (int i = 0; i < MR && c < c1; ++i)
+    ExpandScalar(v + i * r, s.bt_rows, r, c, c1, s.scale, y + i * ldy, y_out + i * ldy);
 }
+
+// Bytes of B^T rows kept hot while the rows of y stream by (a share of L2).
+constexpr int64_t kExpandPanelBytes = 512 << 10;
 
 template <typename V>
 ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
@@ -165,13 +170,18 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   }
   const SgmvSegment& s = p.segments[it.seg];
   const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
-  // Column strips outer, rows inner: a strip of the r rows of B^T stays in L1 across rows.
-  int64_t c = it.lo;
-  for (; c + 4 * kLanes <= it.hi; c += 4 * kLanes) ExpandStrip<V, 4>(v, s, n, c, y, y_out, ldy);
-  for (; c + kLanes <= it.hi; c += kLanes) ExpandStrip<V, 1>(v, s, n, c, y, y_out, ldy);
-  for (int64_t t = 0; t < n && c < it.hi; ++t)
-    ExpandScalar(v + t * s.rank, s.bt_rows, s.rank, c, it.hi, s.scale, y + t * ldy,
-                 y_out + t * ldy);
+  // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
+  // sized to stay in L2, is reused by every row.
+  const int64_t panel_cols = kExpandPanelBytes / (4 * s.rank);
+  const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
+  for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
+    const int64_t c1 = std::min(c0 + panel, it.hi);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      ExpandRows<V, 4>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+    for (; t < n; ++t)
+      ExpandRows<V, 1>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+  }
 }
 
 // One clone per instruction set; the vector width follows the widest registers available.

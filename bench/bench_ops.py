@@ -1,0 +1,277 @@
+"""Op benchmark: the ort_lora CPU kernels against the hardware's simple baselines.
+
+  LoraSGMV        vs numpy (BLAS) matmuls doing the same FLOPs on dense, gathered weights:
+                  x_s @ A_s^T, then @ B_s^T, per segment  -> FLOP-rate ratio (target >= 50 %)
+  PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %)
+
+Usage: python bench/bench_ops.py [--quick] [--out results/bench_ops.json]
+Prints a table and writes JSON (results, command line, machine). Times are medians over
+--reps runs after warm-up; ORT and numpy both use all the cores this process may run on.
+"""
+
+from __future__ import annotations
+
+import os
+
+THREADS = len(os.sched_getaffinity(0))
+# numpy's BLAS reads its thread count at import time (OPENBLAS_CORETYPE is left as it is).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(THREADS))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+import ort_lora  # noqa: E402
+from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters  # noqa: E402
+
+F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+
+
+def wall_times(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
+    """(median, min) wall time of fn() in seconds over `reps` runs after `warmup` untimed ones.
+
+    The median is the headline number; the min shows the kernel's speed when the machine is
+    shared with other work (it is always reported next to the median, never instead of it).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), float(np.min(times))
+
+
+def one_node_session(op, inputs, outputs, **attrs) -> ort.InferenceSession:
+    """inputs/outputs: (name, elem_type, rank); an input named "" is an omitted optional."""
+    vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in inputs if n]
+    outs = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in outputs]
+    node = helper.make_node(
+        op, [n for n, _, _ in inputs], [n for n, _, _ in outputs], domain="ort_lora", **attrs
+    )
+    graph = helper.make_graph([node], op, vis, outs)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def bound_runner(sess, feeds, out_name, out):
+    """A no-argument callable running sess with inputs and the output bound (no copies)."""
+    io = sess.io_binding()
+    for name, value in feeds.items():
+        io.bind_cpu_input(name, value)
+    io.bind_output(out_name, "cpu", 0, out.dtype, out.shape, out.ctypes.data)
+    return lambda: sess.run_with_iobinding(io)
+
+
+# ---- LoraSGMV ----------------------------------------------------------------------------------
+
+SGMV_INPUTS = [
+    ("y", F32, 2), ("x", F32, 2), ("key_cache", F32, 4), ("value_cache", F32, 4),
+    ("seg_starts", I32, 1), ("seg_slots", I32, 1), ("a_offsets", I64, 2), ("b_offsets", I64, 2),
+    ("ranks", I32, 2), ("scales", F32, 2),
+]  # fmt: skip
+
+
+def sgmv_feeds(rng, rows, adapters, rank, in_f, out_f):
+    """Equal segments, one per adapter; adapters placed in a pool of (16, 8, 128) pages."""
+    placed = place_random_adapters(rng, [rank] * adapters, in_f, out_f, (16, 8, 128), max_gap=0)
+    seg_starts = np.linspace(0, rows, adapters + 1).astype(np.int32)
+    return {
+        "y": rng.standard_normal((rows, out_f), dtype=np.float32),
+        "x": rng.standard_normal((rows, in_f), dtype=np.float32),
+        "key_cache": placed.key_cache,
+        "value_cache": placed.value_cache,
+        "seg_starts": seg_starts,
+        "seg_slots": np.arange(adapters, dtype=np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": np.full((1, adapters), rank, np.int32),
+        "scales": rng.uniform(0.5, 2.0, (1, adapters)).astype(np.float32),
+    }
+
+
+def dense_blas_runner(feeds, rank):
+    """Per segment x_s @ A_s^T then @ B_s^T with numpy, on weights gathered densely up front."""
+    region = np.concatenate([feeds["key_cache"].ravel(), feeds["value_cache"].ravel()])
+    in_f, out_f = feeds["x"].shape[1], feeds["y"].shape[1]
+    starts, x = feeds["seg_starts"], feeds["x"]
+    jobs = []
+    for s in range(len(starts) - 1):
+        a = np.stack([region[o : o + in_f] for o in feeds["a_offsets"][s, :rank]])  # [r, in]
+        bt = np.stack([region[o : o + out_f] for o in feeds["b_offsets"][s, :rank]])  # [r, out]
+        n = starts[s + 1] - starts[s]
+        xs = x[starts[s] : starts[s + 1]]  # [n, in]
+        jobs.append(
+            (xs, a.T, bt, np.empty((n, rank), np.float32), np.empty((n, out_f), np.float32))
+        )
+
+    def run():
+        for xs, at, bt, v, out in jobs:
+            np.matmul(xs, at, out=v)
+            np.matmul(v, bt, out=out)
+
+    return run
+
+
+def bench_sgmv(name, rows, adapters, rank, in_f, out_f, reps, seed):
+    rng = np.random.default_rng(seed)
+    feeds = sgmv_feeds(rng, rows, adapters, rank, in_f, out_f)
+    sess = one_node_session("LoraSGMV", SGMV_INPUTS, [("y_out", F32, 2)], layer=0)
+    y_out = np.empty_like(feeds["y"])
+    run_op = bound_runner(sess, feeds, "y_out", y_out)
+    run_op()
+    ref = lora_sgmv(**feeds, layer=0)  # a benchmark of a wrong kernel is worth nothing
+    np.testing.assert_allclose(y_out, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    t_op, t_op_min = wall_times(run_op, reps)
+    t_blas, t_blas_min = wall_times(dense_blas_runner(feeds, rank), reps)
+    flops = 2.0 * rows * rank * (in_f + out_f)
+    return {
+        "case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f, "out": out_f,
+        "op_ms": t_op * 1e3, "blas_ms": t_blas * 1e3,
+        "op_gflops": flops / t_op / 1e9, "blas_gflops": flops / t_blas / 1e9,
+        "ratio": t_blas / t_op,
+        "op_min_ms": t_op_min * 1e3, "blas_min_ms": t_blas_min * 1e3,
+        "ratio_min": t_blas_min / t_op_min,
+    }  # fmt: skip
+
+
+# ---- PagedAttention ----------------------------------------------------------------------------
+
+PA_INPUTS = [
+    ("query", F32, 2), ("key", F32, 2), ("value", F32, 2), ("key_cache", F32, 4),
+    ("value_cache", F32, 4), ("cumulative_sequence_length", I32, 1), ("past_seqlens", I32, 1),
+    ("block_table", I32, 2), ("", F32, 2), ("", F32, 2), ("slot_mapping", I32, 1),
+]  # fmt: skip
+
+
+def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
+    """Decode: one new token per sequence after context - 1 cached ones, blocks shuffled."""
+    blocks_per_seq = context // block
+    num_blocks = seqs * blocks_per_seq
+    cache_shape = (num_blocks, block, kv_heads, head_dim)
+    table = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
+    pos = context - 1
+    return {
+        "query": rng.standard_normal((seqs, heads * head_dim), dtype=np.float32),
+        "key": rng.standard_normal((seqs, kv_heads * head_dim), dtype=np.float32),
+        "value": rng.standard_normal((seqs, kv_heads * head_dim), dtype=np.float32),
+        "key_cache": rng.standard_normal(cache_shape, dtype=np.float32),
+        "value_cache": rng.standard_normal(cache_shape, dtype=np.float32),
+        "cumulative_sequence_length": np.arange(seqs + 1, dtype=np.int32),
+        "past_seqlens": np.full(seqs, pos, np.int32),
+        "block_table": table,
+        "slot_mapping": (table[:, pos // block] * block + pos % block).astype(np.int32),
+    }
+
+
+def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps, seed):
+    """Returns the result row, or None (with a printed reason) when the kernel is missing."""
+    rng = np.random.default_rng(seed)
+    feeds = pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block)
+    out = np.empty_like(feeds["query"])
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
+    try:
+        sess = one_node_session("PagedAttention", PA_INPUTS, [("output", F32, 2)], **attrs)
+        run_op = bound_runner(sess, feeds, "output", out)
+        run_op()
+    except Exception as e:  # the kernel is written in parallel with this benchmark
+        print(f"PagedAttention kernel not available: {str(e).splitlines()[0][:160]}")
+        return None
+    kv_bytes = 2 * seqs * context * kv_heads * head_dim * 4  # K and V read once
+    src = np.ones(kv_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    t_op, t_op_min = wall_times(run_op, reps)
+    t_copy, t_copy_min = wall_times(lambda: np.copyto(dst, src), reps)
+    return {
+        "case": "decode", "seqs": seqs, "context": context, "heads": heads,
+        "kv_heads": kv_heads, "head_dim": head_dim, "block": block, "kv_mb": kv_bytes / 2**20,
+        "op_ms": t_op * 1e3, "memcpy_ms": t_copy * 1e3,
+        "op_gbps": kv_bytes / t_op / 1e9, "memcpy_gbps": kv_bytes / t_copy / 1e9,
+        "ratio": t_copy / t_op,
+        "op_min_ms": t_op_min * 1e3, "memcpy_min_ms": t_copy_min * 1e3,
+        "ratio_min": t_copy_min / t_op_min,
+    }  # fmt: skip
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    with open("/proc/cpuinfo") as f:
+        models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    return {
+        "cpu": models[0] if models else platform.processor(), "threads": THREADS,
+        "load_average": os.getloadavg(), "python": platform.python_version(),
+        "onnxruntime": ort.__version__, "numpy": np.__version__,
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+    }  # fmt: skip
+
+
+def sgmv_cases(quick: bool):
+    """(name, rows, adapters, rank, in, out): decode = 1 row per adapter, prefill = long ones."""
+    for in_f, out_f in [(576, 1536), (4096, 4096)]:
+        yield (f"decode {in_f}->{out_f}", 32, 32, 16, in_f, out_f)
+        yield (f"prefill {in_f}->{out_f}", 512 if quick else 2048, 4, 16, in_f, out_f)
+
+
+def print_table(title, rows, cols):
+    """First column left-aligned and wide (case names), the rest numbers."""
+
+    def cell(i, v):
+        if i == 0:
+            return f"{v!s:<20s}"
+        return f"{v:>11.3f}" if isinstance(v, float) else f"{v!s:>11s}"
+
+    print(f"\n{title}")
+    print("  ".join(cell(i, c) for i, c in enumerate(cols)))
+    for r in rows:
+        print("  ".join(cell(i, r[c]) for i, c in enumerate(cols)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per case (median)")
+    parser.add_argument("--out", default="results/bench_ops.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    reps = args.reps or (5 if args.quick else 20)
+    cases = list(sgmv_cases(args.quick))
+    sgmv = []
+    for i, case in enumerate(cases):
+        print(f"[{i + 1}/{len(cases) + 1}] LoraSGMV {case[0]} ...", flush=True)
+        sgmv.append(bench_sgmv(*case, reps=reps, seed=i))
+    print(f"[{len(cases) + 1}/{len(cases) + 1}] PagedAttention decode ...", flush=True)
+    seqs = 8 if args.quick else 32
+    pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99)
+    cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
+    title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
+    print_table(title, sgmv, cols)
+    if pa is not None:
+        cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
+        cols += ["ratio_min"]
+        print_table("PagedAttention vs np.copyto of K+V (ratio = copy time / op time)", [pa], cols)
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": machine_info(),
+        "lora_sgmv": sgmv,
+        "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
