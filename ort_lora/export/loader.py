@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
+from ort_lora.export.arch import resolve_architecture
 from ort_lora.export.errors import ExportError
 
 
@@ -42,6 +42,7 @@ class SafetensorsDirSource(CheckpointSource):
 
         self.path = path
         self.config = _read_json(path / "config.json")
+        resolve_architecture(self.config)  # fail on an unsupported model before reading weights
         gen = path / "generation_config.json"
         self.generation_config = _read_json(gen) if gen.is_file() else {}
         files = sorted(path.glob("*.safetensors"))
@@ -102,8 +103,6 @@ class GGUFSource(CheckpointSource):
 def require_gguf() -> None:
     """Raise an ExportError unless the `gguf` package can be imported."""
     try:
-        if sys.modules.get("gguf", False) is None:
-            raise ImportError("gguf is disabled")
         importlib.import_module("gguf")
     except ImportError:
         raise ExportError(

@@ -1,0 +1,51 @@
+"""`ort-lora export --verify` on a tiny checkpoint: passes against its own checkpoint, fails
+(non-zero exit) against a different one."""
+
+from __future__ import annotations
+
+import re
+
+from ort_lora.export import verify
+from ort_lora.export.cli import main as export_main
+from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+
+
+def test_verify_passes_and_prints_max_difference(tiny_llama_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = export_main(
+        [
+            str(tiny_llama_checkpoint),
+            str(out),
+            "--block-size",
+            "8",
+            "--verify",
+            "--quiet",
+            "--extra",
+            "verify_steps=5",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    diff = float(re.search(r"max \|logits - transformers\| = (\S+)", text).group(1))
+    assert diff <= 1e-4 and "OK" in text
+    assert (out / "model.onnx").is_file() and (out / "model.onnx.data").is_file()
+
+
+def test_verify_fails_against_other_weights(tiny_llama_checkpoint, tmp_path, monkeypatch, capsys):
+    other = write_random_checkpoint(tmp_path / "other", tiny_config("llama"), seed=99)
+    real_loader = verify.load_reference
+    monkeypatch.setattr(verify, "load_reference", lambda _path: real_loader(other))
+    rc = export_main(
+        [
+            str(tiny_llama_checkpoint),
+            str(tmp_path / "out"),
+            "--block-size",
+            "8",
+            "--verify",
+            "--quiet",
+            "--extra",
+            "verify_steps=2",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 1 and "FAILED" in text
