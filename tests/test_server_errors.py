@@ -69,7 +69,12 @@ def chat(**fields) -> dict:
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY[:-1]}"}],
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+    ],
 )
 def test_bad_api_key_401(server, headers):
     error = check_error(post(server, "/v1/completions", completion(), headers), 401, "API key")
