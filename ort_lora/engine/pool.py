@@ -73,6 +73,8 @@ class PagePool:
         self._kv: set[int] = set()
         self._adapters: OrderedDict[Hashable, _Resident] = OrderedDict()
         self._loads = self._evictions = self._hits = self._misses = 0
+        # adapter id -> {"loads", "evictions", "hits", "misses"}: per-adapter /metrics figures
+        self.adapter_counters: dict[Hashable, dict[str, int]] = {}
 
     # ---- capacity ---------------------------------------------------------------------------
 
@@ -109,6 +111,14 @@ class PagePool:
         victim = next(a for a, r in self._adapters.items() if r.refcount == 0)
         self._free.extend(self._adapters.pop(victim).pages)
         self._evictions += 1
+        self._count(victim, "evictions")
+
+    def _count(self, adapter_id: Hashable, *names: str) -> None:
+        counters = self.adapter_counters.setdefault(
+            adapter_id, {"loads": 0, "evictions": 0, "hits": 0, "misses": 0}
+        )
+        for name in names:
+            counters[name] += 1
 
     # ---- KV blocks --------------------------------------------------------------------------
 
@@ -141,6 +151,7 @@ class PagePool:
             resident.refcount += 1
             self._adapters.move_to_end(adapter_id)
             self._hits += 1
+            self._count(adapter_id, "hits")
             return list(resident.pages), False
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"adapter {adapter_id!r}: num_pages must be >= 1, got {num_pages!r}")
@@ -148,6 +159,7 @@ class PagePool:
         self._adapters[adapter_id] = _Resident(pages, refcount=1)
         self._misses += 1
         self._loads += 1
+        self._count(adapter_id, "misses", "loads")
         return list(pages), True
 
     def release_adapter(self, adapter_id: Hashable) -> None:

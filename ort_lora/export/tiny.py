@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ort_lora.export.arch import MODEL_TYPE_TO_ARCH, ArchConfig, arch_config
+from ort_lora.export.tiny_tokenizer import write_byte_tokenizer
 
 TINY_BASE = dict(
     hidden_size=64,
@@ -104,4 +105,5 @@ def write_random_checkpoint(
     if shards > 1:
         index = {"metadata": {}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_byte_tokenizer(out, cfg.vocab_size)
     return out
