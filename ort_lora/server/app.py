@@ -145,12 +145,14 @@ def create_app(
     async def health() -> Response:
         return Response(status_code=200)
 
+    # Plain `def` routes run on worker threads: engine.stats() and list_loras() wait for the
+    # engine's current step, which must not stall the event loop (and every stream on it).
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    def prometheus() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict:
+    def models() -> dict:
         root = model_root or base_name
         max_len = engine.max_model_len
         cards = [_model_card(base_name, root, None, max_len, created)]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ort_lora.adapters.errors import AdapterNotFoundError
 from ort_lora.lora_request import LoRARequest
@@ -59,11 +60,12 @@ class OpenAIServing:
 
     # -- model and prompt resolution ------------------------------------------------------------
 
-    def resolve_model(self, name: str | None) -> LoRARequest | None:
+    async def resolve_model(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model; else 404."""
         if name is None or name == self.base_name:
             return None
-        for lora in self.engine.list_loras():
+        # list_loras waits for the engine's step to end: ask from a worker thread.
+        for lora in await run_in_threadpool(self.engine.list_loras):
             if lora.lora_name == name:
                 return lora
         raise model_not_found(name)
@@ -164,7 +166,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
-        lora = self.resolve_model(req.model)
+        lora = await self.resolve_model(req.model)
         tok = self.engine.tokenizer
         prompts = [
             self._check_ids(tok.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts()
@@ -185,7 +187,7 @@ class OpenAIServing:
     # -- /v1/chat/completions -------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        lora = self.resolve_model(req.model)
+        lora = await self.resolve_model(req.model)
         tok = self.engine.tokenizer
         template = req.chat_template or self.chat_template_for(lora)
         messages = [m.as_template_dict() for m in req.messages]
