@@ -1,0 +1,147 @@
+"""The engine's request lifecycle on a tiny random model: refusals, abort, unload while
+running, n > 1, seeds, stop rules, and the asyncio streaming interface."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.adapters import AdapterNotFoundError
+from ort_lora.engine.async_engine import AsyncEngine
+from ort_lora.engine.errors import RequestError
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 42, 8, 77]}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_llama_checkpoint, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    out = tmp_path_factory.mktemp("adapter") / "qv"
+    peft.get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture()
+def llm(tiny_llama_export):
+    return LLM(tiny_llama_export, num_pages=64, max_model_len=64)
+
+
+def test_prompt_plus_max_tokens_over_context(llm):
+    with pytest.raises(
+        RequestError, match=r"prompt \(7 tokens\) \+ max_tokens \(60\) = 67 exceeds"
+    ):
+        llm.generate(PROMPT, SamplingParams(max_tokens=60))
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(RequestError, match="the prompt has 70 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 70}, GREEDY)
+
+
+def test_token_outside_vocabulary(llm):
+    with pytest.raises(RequestError, match=r"outside the vocabulary \[0, 256\)"):
+        llm.generate({"prompt_token_ids": [5, 256]}, GREEDY)
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY)
+
+
+def test_max_tokens_none_fills_the_context(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 64 - 7
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_n_completions_and_seeds(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    first = llm.generate(PROMPT, params)[0]
+    again = llm.generate(PROMPT, params)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "n streams must differ"
+
+
+def test_stop_token_ids_and_logprobs(llm):
+    greedy = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    stop_at = greedy[3]
+    params = SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_at], logprobs=2, ignore_eos=True
+    )
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and lp[token].rank == 1  # greedy picks the most likely token
+    np.testing.assert_allclose(
+        out.cumulative_logprob,
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)),
+        rtol=1e-5,
+    )
+
+
+def test_remove_lora_while_running_lets_it_finish(llm, adapter_dir):
+    engine = llm.engine
+    lora = LoRARequest("qv", 1, str(adapter_dir))
+    engine.add_request("r1", PROMPT["prompt_token_ids"], GREEDY, lora)
+    engine.step()
+    engine.remove_lora("qv")
+    assert engine.list_loras() == []
+    with pytest.raises(AdapterNotFoundError, match="being unloaded"):
+        engine.add_request("r2", PROMPT["prompt_token_ids"], GREEDY, lora)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
+    assert "qv" not in engine.registry and not engine.pool.is_resident(1)
+
+
+def test_abort_frees_pages(llm):
+    engine = llm.engine
+    engine.add_request("a", PROMPT["prompt_token_ids"], GREEDY)
+    engine.step()
+    assert engine.pool.stats().kv_pages > 0
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.pool.stats().kv_pages == 0 and not engine.has_unfinished_requests()
+
+
+def test_async_stream_and_abort(tiny_llama_export):
+    async def main():
+        engine = AsyncEngine.from_model_dir(tiny_llama_export, num_pages=64)
+        await engine.start()
+        try:
+            outs = [o async for o in engine.generate(PROMPT["prompt_token_ids"], GREEDY)]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
+            assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 11))
+            long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+            async for out in engine.generate(PROMPT["prompt_token_ids"], long, request_id="x"):
+                if len(out.outputs[0].token_ids) == 2:
+                    break  # the client goes away: the request is aborted
+            for _ in range(100):
+                if engine.stats()["pool"]["kv"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.stats()["pool"]["kv"] == 0 and engine.stats()["running"] == 0
+            with pytest.raises(RequestError, match="exceeds"):
+                async for _ in engine.generate([5] * 10, SamplingParams(max_tokens=10**6)):
+                    pass
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
