@@ -6,6 +6,10 @@ so a kernel reading anywhere else fails the comparison.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -123,7 +127,9 @@ def test_segment_layouts(layout):
     check(make_case(seed, seg_lens, seg_slots, slot_ranks))
 
 
-@pytest.mark.parametrize("in_f,out_f", [(64, 192), (192, 64), (576, 1536), (37, 53), (15, 3)])
+@pytest.mark.parametrize(
+    "in_f,out_f", [(64, 192), (192, 64), (576, 1536), (37, 53), (15, 3), (1, 1)]
+)
 def test_heterogeneous_shapes(in_f, out_f):
     check(make_case(300 + in_f, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f))
 
@@ -141,6 +147,17 @@ def test_unused_slot_offsets_are_not_read():
     feeds["a_offsets"][1] = -7  # slot 1 is used by no segment
     feeds["b_offsets"][1] = 10**12
     check(feeds)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_narrower_isa_kernels(isa):
+    """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
+    cases = "ranks or layouts or shapes or layer_attribute_selects"
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
+    env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
 
 
 # ---- validation: every bad input gives an error naming it -------------------------------------
@@ -193,6 +210,8 @@ def test_bad_input_dtype(name):
             lambda f: f["a_offsets"].__setitem__((1, 0), f["key_cache"].size - 5),
             r"a_offsets\[1, 0\].*out-of-range page",
         ),
+        (lambda f: f["a_offsets"].__setitem__((0, 1), 2**62), r"a_offsets\[0, 1\] = 4611"),
+        (lambda f: f["b_offsets"].__setitem__((0, 0), 2**63 - 2), r"b_offsets\[0, 0\].*range page"),
         (lambda f: f.update(value_cache=f["value_cache"][:-1]), "input 'value_cache' dim 0"),
         (lambda f: f.update(scales=f["scales"][:, :1]), "input 'scales' dim 1"),
         (lambda f: f.update(b_offsets=f["b_offsets"][:, :2]), "input 'b_offsets' dim 1"),

@@ -4,7 +4,12 @@
 #include "lora_sgmv/lora_sgmv_cpu.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
+// Every function that passes a vector by value is always inlined into an ISA-specific clone,
+// so GCC's note that such calls would change the ABI across ISAs never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #define ORT_LORA_INLINE inline __attribute__((always_inline))
 
 namespace ort_lora {
@@ -36,10 +41,11 @@ ORT_LORA_INLINE float HSum(V16 a) {
               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Shrink tile: v[i * ldv + j] = x_i . A_j for MR rows of x and NR rows of A (length k).
+// Shrink tile: v[i * ldv + j] = scale * (x_i . A_j) for MR rows of x and NR rows of A
+// (length k). The segment's scale is applied here, on the small [n, r] result.
 template <typename V, int MR, int NR>
 ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const* a, int64_t k,
-                                float* v, int64_t ldv) {
+                                float scale, float* v, int64_t ldv) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   V acc[MR][NR] = {};
   int64_t kk = 0;
@@ -55,17 +61,20 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const*
     for (int j = 0; j < NR; ++j) {
       float s = HSum(acc[i][j]);
       for (int64_t q = kk; q < k; ++q) s += x[i * ldx + q] * a[j][q];
-      v[i * ldv + j] = s;
+      v[i * ldv + j] = scale * s;
     }
   }
 }
 
-// Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + scale * sum_j v[i * ldv + j] * Bt_j[...].
+// Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + sum_j v[i * ldv + j] * Bt_j[...]. The
+// accumulators start from y, so its loads overlap the multiply-adds.
 template <typename V, int MR, int NQ>
 ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const* bt, int64_t r,
-                                int64_t c, float scale, const float* y, float* y_out, int64_t ldy) {
+                                int64_t c, const float* y, float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-  V acc[MR][NQ] = {};
+  V acc[MR][NQ];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NQ; ++q) acc[i][q] = Load<V>(y + i * ldy + c + q * kLanes);
   for (int64_t j = 0; j < r; ++j) {
     V b[NQ];
     for (int q = 0; q < NQ; ++q) b[q] = Load<V>(bt[j] + c + q * kLanes);
@@ -75,20 +84,17 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const*
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int q = 0; q < NQ; ++q) {
-      const int64_t o = i * ldy + c + q * kLanes;
-      Store<V>(y_out + o, Load<V>(y + o) + scale * acc[i][q]);
-    }
+    for (int q = 0; q < NQ; ++q) Store<V>(y_out + i * ldy + c + q * kLanes, acc[i][q]);
   }
 }
 
 // Columns [c, c_end) of one row, fewer than one vector: plain scalar code.
 ORT_LORA_INLINE void ExpandScalar(const float* v, const float* const* bt, int64_t r, int64_t c,
-                                  int64_t c_end, float scale, const float* y, float* y_out) {
+                                  int64_t c_end, const float* y, float* y_out) {
   for (; c < c_end; ++c) {
-    float s = 0.0f;
+    float s = y[c];
     for (int64_t j = 0; j < r; ++j) s += v[j] * bt[j][c];
-    y_out[c] = y[c] + scale * s;
+    y_out[c] = s;
   }
 }
 
@@ -124,16 +130,16 @@ ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   for (; j + 4 <= it.hi; j += 4) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4)
-      ShrinkTile<V, 4, 4>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+      ShrinkTile<V, 4, 4>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
     for (; t < n; ++t)
-      ShrinkTile<V, 1, 4>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+      ShrinkTile<V, 1, 4>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
   }
   for (; j < it.hi; ++j) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4)
-      ShrinkTile<V, 4, 1>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+      ShrinkTile<V, 4, 1>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
     for (; t < n; ++t)
-      ShrinkTile<V, 1, 1>(x + t * k, k, s.a_rows + j, k, v + t * s.rank + j, s.rank);
+      ShrinkTile<V, 1, 1>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
   }
 }
 
@@ -145,15 +151,14 @@ ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0
   const int64_t r = s.rank;
   int64_t c = c0;
   for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
-    ExpandTile<V, MR, 4>(v, r, s.bt_rows, r, c, s.scale, y, y_out, ldy);
-  for (; c + kLanes <= c1; c += kLanes)
-    ExpandTile<V, MR, 1>(v, r, s.bt_rows, r, c, s.scale, y, y_out, ldy);
+    ExpandTile<V, MR, 4>(v, r, s.bt_rows, r, c, y, y_out, ldy);
+  for (; c + kLanes <= c1; c += kLanes) ExpandTile<V, MR, 1>(v, r, s.bt_rows, r, c, y, y_out, ldy);
   for (int i = 0; i < MR && c < c1; ++i)
-    ExpandScalar(v + i * r, s.bt_rows, r, c, c1, s.scale, y + i * ldy, y_out + i * ldy);
+    ExpandScalar(v + i * r, s.bt_rows, r, c, c1, y + i * ldy, y_out + i * ldy);
 }
 
 // Bytes of B^T rows kept hot while the rows of y stream by (a share of L2).
-constexpr int64_t kExpandPanelBytes = 512 << 10;
+constexpr int64_t kExpandPanelBytes = 32 << 10;
 
 template <typename V>
 ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
@@ -202,11 +207,16 @@ struct Kernels {
   ItemFn expand;
 };
 
+// The widest ISA the CPU has, capped by ORT_LORA_SGMV_ISA (avx512 | avx2 | baseline) so that
+// tests can run the narrower clones on a machine that has AVX-512.
 Kernels SelectKernels() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+  const char* cap = std::getenv("ORT_LORA_SGMV_ISA");
+  const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
     return {ShrinkAvx512, ExpandAvx512};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {ShrinkAvx2, ExpandAvx2};
   return {ShrinkBase, ExpandBase};
 }

@@ -4,6 +4,9 @@
 // Punica-style split in two passes over balanced work items:
 //   shrink  v[t, j]    = x[t] . A_j                        [n, r] per segment
 //   expand  y_out[t]   = y[t] + scale * sum_j v[t, j] Bt_j  (rows of inactive segments: copy)
+// The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
+// from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
+// (tests use it to run the narrower kernels).
 #pragma once
 
 #include <cstddef>

@@ -77,8 +77,11 @@ struct PoolShare {
 
   // Start of the row of `len` elements at `offset`; it must lie inside one of the two halves.
   const float* Row(int64_t offset, int64_t len, const char* name, int64_t slot, int64_t j) const {
-    if (offset >= 0 && offset + len <= half) return key + offset;
-    if (offset >= half && offset + len <= 2 * half) return value + (offset - half);
+    // Written so that no sum can overflow, whatever the offset.
+    if (offset >= 0 && offset < half && len <= half - offset) return key + offset;
+    if (offset >= half && offset - half < half && len <= 2 * half - offset)
+      return value + (offset - half);
+    if (len == 0 && offset >= 0 && offset <= 2 * half) return key;  // empty rows read nothing
     Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ", len,
          " elements must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ",
          2 * half, ")");
