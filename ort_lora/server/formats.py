@@ -49,8 +49,9 @@ class _Format:
                 for c in out.outputs:
                     index = job.index * self.req.n + c.index
                     tracker = trackers.setdefault(index, self.new_tracker(index, job.index))
-                    if tracker.is_news(c):
-                        yield R.sse(self.body(self.chunk_kind, [self.chunk_choice(tracker, c)]))
+                    choice = self.chunk_choice(tracker, c) if tracker.is_news(c) else None
+                    if choice is not None:
+                        yield R.sse(self.body(self.chunk_kind, [choice]))
             if self.req.include_usage:
                 usage = self.usage(jobs, [finals.get(j.index) for j in jobs])
                 yield R.sse({**self.body(self.chunk_kind, []), "usage": usage})
@@ -67,7 +68,9 @@ class _Format:
     def new_tracker(self, index: int, prompt_index: int) -> R.ChoiceTracker:
         return R.ChoiceTracker(index)
 
-    def chunk_choice(self, tracker: R.ChoiceTracker, c: CompletionOutput) -> dict:
+    def chunk_choice(self, tracker: R.ChoiceTracker, c: CompletionOutput) -> dict | None:
+        """The new part of choice `c` as a chunk choice; None if nothing to send (a token
+        whose text is held back, e.g. half a UTF-8 character)."""
         raise NotImplementedError
 
     def decode(self, tid: int) -> str:
@@ -109,10 +112,13 @@ class CompletionFormat(_Format):
         offset = tracker.sent_chars + len(tracker.text_prefix)
         text, ids, lps = tracker.delta(c)
         tracker.finished = c.finish_reason is not None
+        logprobs = self._logprobs(ids, lps, offset)
+        if not text and not tracker.finished and logprobs is None:
+            return None
         return {
             "index": tracker.index,
             "text": text,
-            "logprobs": self._logprobs(ids, lps, offset),
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -150,10 +156,13 @@ class ChatFormat(_Format):
     def chunk_choice(self, tracker: R.ChoiceTracker, c: CompletionOutput) -> dict:
         text, ids, lps = tracker.delta(c)
         tracker.finished = c.finish_reason is not None
+        logprobs = self._logprobs(ids, lps)
+        if not text and not tracker.finished and logprobs is None:
+            return None
         return {
             "index": tracker.index,
             "delta": {"content": text} if text else {},
-            "logprobs": self._logprobs(ids, lps),
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
