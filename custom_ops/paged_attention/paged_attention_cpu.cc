@@ -5,8 +5,9 @@
 //   3. write:   new K/V rows into their cache slots             (per token chunk)
 // Attention reads the cache before any write, so its result never depends on the write.
 //
-// A work item is (sequence, kv head, chunk of query tokens, context range): its query rows are
-// every (token, head) of the kv head's group, so each K/V row fetched is used by all of them.
+// A work item is (sequence, chunk of query tokens, context range) over all heads: it streams
+// the cache in memory order (a cache row holds every kv head: [block, slot, kv head, D]), and
+// each K/V row fetched serves every (token, head) of the chunk.
 // A long context is split into ranges of at least kMinSplitKeys keys when there are too few
 // items to keep the threads busy (flash-decoding); the split items write (max, sum, acc) rows
 // that the merge pass combines.
@@ -19,12 +20,15 @@
 #include <vector>
 
 // Hot loops are plain C++ the compiler vectorizes; cloned for AVX-512 and AVX2+FMA and chosen
-// at run time by the loader (GCC function multiversioning).
+// at run time by the loader (GCC function multiversioning). Helpers must be always_inline: GCC
+// does not inline a function of the default arch into a clone otherwise.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ORT_LORA_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define ORT_LORA_INLINE inline __attribute__((always_inline))
 #else
 #define ORT_LORA_CLONES
+#define ORT_LORA_INLINE inline
 #endif
 
 namespace ort_lora {
@@ -37,15 +41,15 @@ constexpr int64_t kTargetItems = 64;     // fewer items than this: split long co
 constexpr int64_t kTokensPerChunk = 16;  // tokens per item of the prepare and write passes
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Query tokens [q_begin, q_end) of sequence seq (all heads of kv head kv_head) against keys at
-// positions [ctx_begin, ctx_end). partial < 0: the item sees the whole context and writes the
+// Query tokens [q_begin, q_end) of sequence seq (all heads) against keys at positions
+// [ctx_begin, ctx_end). partial < 0: the item sees the whole context and writes the
 // output; else it writes rows [max, sum, acc[D]] at partials + partial.
 struct WorkItem {
-  int32_t seq, kv_head, q_begin, q_end, ctx_begin, ctx_end;
+  int32_t seq, q_begin, q_end, ctx_begin, ctx_end;
   int64_t partial;
 };
 
-// Items [first, first + count) are the context splits of one (sequence, kv head, query chunk).
+// Items [first, first + count) are the context splits of one (sequence, query chunk).
 struct SplitGroup {
   int64_t first, count;
 };
@@ -60,7 +64,7 @@ struct Plan {
 struct Problem {
   const PagedAttentionArgs& a;
   int64_t group;                   // query heads per kv head
-  int64_t row_stride;              // KVH * D: distance between consecutive K/V rows of one kv head
+  int64_t row_stride;              // KVH * D: distance between consecutive K/V rows
   const float* q;                  // [T, H, D] rotated and scaled
   const float* k;                  // [T, KVH, D] rotated (the key input without rotary)
   float* partials;                 // split items' rows [max, sum, acc[D]]
@@ -105,7 +109,7 @@ void PrepareRows(const Problem& p, const float* src, float* dst, int64_t heads, 
 
 // ---- pass 2: attention -------------------------------------------------------------------
 
-inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+ORT_LORA_INLINE float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float r[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -117,7 +121,7 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n
 }
 
 // x[i] = exp(x[i]) for x[i] <= 0 (Cephes expf polynomial, ~1 ulp; vectorizable).
-inline void ExpInPlace(float* x, int64_t n) {
+ORT_LORA_INLINE void ExpInPlace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = std::max(x[i], -87.0f);
     const float fn = (v * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -137,9 +141,9 @@ inline void ExpInPlace(float* x, int64_t n) {
 }
 
 // acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D]
-inline void AccumulateValues(float* __restrict acc, const float* __restrict v,
-                             const float* __restrict p, int64_t n, int64_t stride, int64_t d,
-                             float alpha) {
+ORT_LORA_INLINE void AccumulateValues(float* __restrict acc, const float* __restrict v,
+                                      const float* __restrict p, int64_t n, int64_t stride,
+                                      int64_t d, float alpha) {
   int64_t i = 0;
   for (; i + 32 <= d; i += 32) {
     float r[32];
@@ -157,8 +161,9 @@ inline void AccumulateValues(float* __restrict acc, const float* __restrict v,
 
 // One query row against n keys/values (rows k, v at distance stride): online softmax update
 // of (m, l, acc).
-inline void AttendTile(const float* q, const float* k, const float* v, int64_t n, int64_t stride,
-                       int64_t d, float softcap, float& m, float& l, float* acc) {
+ORT_LORA_INLINE void AttendTile(const float* q, const float* k, const float* v, int64_t n,
+                                int64_t stride, int64_t d, float softcap, float& m, float& l,
+                                float* acc) {
   float s[kTileKeys];
   for (int64_t j = 0; j < n; ++j) s[j] = Dot(q, k + j * stride, d);
   if (softcap > 0)
@@ -175,8 +180,8 @@ inline void AttendTile(const float* q, const float* k, const float* v, int64_t n
   AccumulateValues(acc, v, s, n, stride, d, alpha);
 }
 
-// Keys [j, j + count) of one kv head, contiguous at distance row_stride: a run inside one
-// cache block, or of the new tokens' rows.
+// Rows [j, j + count) of keys and values, every kv head, contiguous (row_stride apart): a run
+// inside one cache block, or of the new tokens' rows.
 struct KeyRun {
   const float* k;
   const float* v;
@@ -190,43 +195,56 @@ KeyRun NextRun(const Problem& p, const WorkItem& w, int64_t j, int64_t end) {
     const int64_t block = a.block_table[w.seq * a.max_blocks + j / a.block_size];
     const int64_t off = j % a.block_size;
     const int64_t count = std::min({a.block_size - off, past - j, end - j, kTileKeys});
-    const int64_t row = (block * a.block_size + off) * p.row_stride + w.kv_head * a.head_size;
+    const int64_t row = (block * a.block_size + off) * p.row_stride;
     return {a.key_cache + row, a.value_cache + row, count};
   }
-  const int64_t row = (a.cu_seqlens[w.seq] + j - past) * p.row_stride + w.kv_head * a.head_size;
+  const int64_t row = (a.cu_seqlens[w.seq] + j - past) * p.row_stride;
   return {p.k + row, a.value + row, std::min(end - j, kTileKeys)};
 }
 
-// Output (or partial) row of query row r = token * group + head of item w.
+// Asks for the next run while the current one is computed: the cache is read once, in
+// block-sized runs scattered over memory, so the hardware prefetcher alone stalls at each jump.
+ORT_LORA_INLINE void PrefetchRun(const KeyRun& run, int64_t stride) {
+  for (int64_t i = 0; i < run.count * stride; i += 16) {
+    __builtin_prefetch(run.k + i);
+    __builtin_prefetch(run.v + i);
+  }
+}
+
+// Output (or partial) row of query row r = token * num_heads + head of item w.
 float* AccRow(const Problem& p, const WorkItem& w, int64_t r) {
   const int64_t d = p.a.head_size;
   if (w.partial >= 0) return p.partials + w.partial + r * (d + 2) + 2;
-  const int64_t t = p.a.cu_seqlens[w.seq] + w.q_begin + r / p.group;
-  return p.a.output + (t * p.a.num_heads + w.kv_head * p.group + r % p.group) * d;
+  return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * d;
 }
 
 ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
   const auto& a = p.a;
-  const int64_t d = a.head_size, rows = (w.q_end - w.q_begin) * p.group;
+  const int64_t d = a.head_size, rows = (w.q_end - w.q_begin) * a.num_heads;
   std::vector<float> m(rows, kNegInf), l(rows, 0.0f);
   std::vector<float*> acc(rows);
   for (int64_t r = 0; r < rows; ++r) acc[r] = AccRow(p, w, r);
   for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + d, 0.0f);
   const int64_t past = a.past_seqlens[w.seq];
+  KeyRun next = NextRun(p, w, w.ctx_begin, w.ctx_end);
+  PrefetchRun(next, p.row_stride);
   for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
-    const KeyRun run = NextRun(p, w, j, w.ctx_end);
+    const KeyRun run = next;
+    if (j + run.count < w.ctx_end) {
+      next = NextRun(p, w, j + run.count, w.ctx_end);
+      PrefetchRun(next, p.row_stride);
+    }
     for (int64_t t = w.q_begin; t < w.q_end; ++t) {
       const int64_t pos = past + t;
       const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
       const int64_t hi = std::min(j + run.count, pos + 1);
       if (lo >= hi) continue;
-      const int64_t skip = (lo - j) * p.row_stride;
-      for (int64_t h = 0; h < p.group; ++h) {
-        const int64_t r = (t - w.q_begin) * p.group + h;
-        const float* q =
-            p.q + ((a.cu_seqlens[w.seq] + t) * a.num_heads + w.kv_head * p.group + h) * d;
-        AttendTile(q, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap, m[r], l[r],
-                   acc[r]);
+      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
+      const int64_t r0 = (t - w.q_begin) * a.num_heads;
+      for (int64_t h = 0; h < a.num_heads; ++h) {
+        const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
+        AttendTile(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
+                   m[r0 + h], l[r0 + h], acc[r0 + h]);
       }
     }
     j += run.count;
@@ -248,7 +266,7 @@ void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
   const WorkItem& w0 = plan.items[g.first];
   WorkItem out = w0;
   out.partial = -1;
-  const int64_t rows = (w0.q_end - w0.q_begin) * p.group, width = d + 2;
+  const int64_t rows = (w0.q_end - w0.q_begin) * p.a.num_heads, width = d + 2;
   for (int64_t r = 0; r < rows; ++r) {
     float m = kNegInf, l = 0.0f;
     for (int64_t s = 0; s < g.count; ++s)
@@ -266,7 +284,7 @@ void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
   }
 }
 
-// Work items: every (sequence, query chunk, kv head), split over context ranges if few.
+// Work items: every (sequence, query chunk), split over context ranges if few.
 Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
   const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / group);
   Plan plan;
@@ -277,10 +295,9 @@ Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
       const int64_t q1 = std::min(n, q0 + chunk), hi = past + q1;
       const int64_t lo = a.local_window >= 0 ? std::max<int64_t>(0, past + q0 - a.local_window) : 0;
       longest = std::max(longest, hi - lo);
-      for (int64_t g = 0; g < a.kv_num_heads; ++g)
-        plan.items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g),
-                              static_cast<int32_t>(q0), static_cast<int32_t>(q1),
-                              static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1});
+      plan.items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(q0),
+                            static_cast<int32_t>(q1), static_cast<int32_t>(lo),
+                            static_cast<int32_t>(hi), -1});
     }
   }
   const int64_t base = static_cast<int64_t>(plan.items.size());
@@ -296,7 +313,7 @@ Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
       part.ctx_end = static_cast<int32_t>(std::min<int64_t>(w.ctx_end, part.ctx_begin + split));
       if (parts > 1) {
         part.partial = plan.partial_floats;
-        plan.partial_floats += (w.q_end - w.q_begin) * group * (a.head_size + 2);
+        plan.partial_floats += (w.q_end - w.q_begin) * a.num_heads * (a.head_size + 2);
       }
       items.push_back(part);
     }
