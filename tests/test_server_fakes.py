@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
+from ort_lora.engine.errors import QueueFullError
 from ort_lora.outputs import CompletionOutput, Logprob, RequestOutput
-from ort_lora.server.serving import _queue_full_error
 from ort_lora.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,7 +107,7 @@ class FakeEngine:
         if lora_request is not None and lora_request.lora_name not in self.loras:
             raise AdapterNotFoundError(f"adapter not found: {lora_request.lora_name}")
         if len(self.running) >= self.max_running:
-            raise _queue_full_error()(f"queue full: {self.max_running} requests running")
+            raise QueueFullError(f"queue full: {self.max_running} requests running")
         self.prompts.append(ids)
         self.params.append(params)
         self.running.add(request_id)

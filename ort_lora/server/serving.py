@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ort_lora.adapters.errors import AdapterNotFoundError
+from ort_lora.engine.errors import QueueFullError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.server.errors import APIError, bad_request, model_not_found
@@ -109,7 +110,7 @@ class OpenAIServing:
             first = await agen.__anext__()
         except StopAsyncIteration:
             first = None
-        except _queue_full_error() as exc:
+        except QueueFullError as exc:
             raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
         except AdapterNotFoundError as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
@@ -213,19 +214,6 @@ class OpenAIServing:
 
     def decode_token(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid])
-
-
-def _queue_full_error() -> type[Exception]:
-    """The engine's QueueFullError (a 503)."""
-    try:
-        from ort_lora.engine.errors import QueueFullError
-    except ImportError:  # engines without admission limits never raise it
-        return _NeverRaised
-    return QueueFullError
-
-
-class _NeverRaised(Exception):
-    pass
 
 
 def _sampling(req, max_tokens: int):

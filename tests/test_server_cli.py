@@ -1,0 +1,123 @@
+"""`ort-lora serve`: argument parsing, the default-model cache, and the real command serving
+the tiny export in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ort_lora.contract import MANIFEST_NAME
+from ort_lora.server import default_model
+from ort_lora.server.cli import build_parser, engine_overrides, main, parse_lora_module
+
+
+def test_lora_modules_both_forms():
+    args = build_parser().parse_args(
+        ["m", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/y/b", "base_model_name": "m"}']
+    )
+    assert args.lora_modules == [("a", "/x/a"), ("b", "/y/b")]
+    args = build_parser().parse_args(["--lora-modules", "a=1", "--lora-modules", "c=3"])
+    assert args.lora_modules == [("a", "1"), ("c", "3")] and args.model_dir is None
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [("noequals", "name=path"), ("=path", "name=path"), ("{bad json", "invalid JSON"),
+     ('{"name": "a"}', '"path"'), ("[1]", "name=path")],
+)  # fmt: skip
+def test_lora_modules_errors(text, needle):
+    with pytest.raises(argparse.ArgumentTypeError, match=needle):
+        parse_lora_module(text)
+
+
+def test_engine_overrides():
+    args = build_parser().parse_args(
+        ["m", "--max-loras", "3", "--max-num-seqs", "8", "--pool-memory-mb", "64"]
+    )
+    assert engine_overrides(args) == {
+        "max_loras": 3,
+        "max_num_seqs": 8,
+        "pool_memory_bytes": 64 << 20,
+    }
+    with pytest.raises(SystemExit):  # one pool size, not two
+        build_parser().parse_args(["m", "--num-pages", "9", "--pool-memory-mb", "64"])
+
+
+def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main([str(tmp_path), "--adapter-root", str(tmp_path / "nope")]) == 2
+    assert "--adapter-root" in capsys.readouterr().err
+
+
+def test_default_model_export_is_cached_and_atomic(tmp_path, monkeypatch):
+    """First use exports into a temp dir and renames it; later uses reuse it; a failed
+    export leaves nothing behind."""
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_export(src, out, **kw):
+        calls.append((src, out))
+        assert not (tmp_path / "models" / default_model.DEFAULT_MODEL_NAME).exists()
+        if len(calls) == 1:
+            (out / "partial").write_text("x")
+            raise RuntimeError("disk full")
+        (out / MANIFEST_NAME).write_text("{}")
+        return out
+
+    import ort_lora.export
+
+    monkeypatch.setattr(ort_lora.export, "export_model", fake_export)
+    with pytest.raises(RuntimeError, match="disk full"):
+        default_model.ensure_default_model(progress=False)
+    models = tmp_path / "models"
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+    target = default_model.ensure_default_model(progress=False)
+    assert target == models / default_model.DEFAULT_MODEL_NAME
+    assert (target / MANIFEST_NAME).is_file()
+    assert calls[-1][0] == default_model.default_gguf_path()
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command(tiny_llama_export, tmp_path):
+    """The installed command serves the export with an API key and an adapter root."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", str(tiny_llama_export)]
+    cmd += ["--port", str(port), "--api-key", "k", "--adapter-root", str(tmp_path)]
+    cmd += ["--num-pages", "64", "--max-num-seqs", "4", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "server exited"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer k"}
+        models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
+        assert [m["id"] for m in models] == [tiny_llama_export.name]
+        body = {"model": models[0]["id"], "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
