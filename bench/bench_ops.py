@@ -12,16 +12,25 @@ Prints a table and writes JSON (results, command line, machine). Times are media
 from __future__ import annotations
 
 import os
+import sys
 
-THREADS = len(os.sched_getaffinity(0))
+
+def _threads_from_argv() -> int:
+    """--threads N, else every core this process may run on (read before numpy is imported)."""
+    for i, arg in enumerate(sys.argv[:-1]):
+        if arg == "--threads":
+            return int(sys.argv[i + 1])
+    return len(os.sched_getaffinity(0))
+
+
+THREADS = _threads_from_argv()
 # numpy's BLAS reads its thread count at import time (OPENBLAS_CORETYPE is left as it is).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", str(THREADS))
-os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+os.environ["OPENBLAS_NUM_THREADS"] = str(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -243,6 +252,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (median)")
+    parser.add_argument("--threads", type=int, default=THREADS, help="ORT and BLAS threads")
     parser.add_argument("--out", default="results/bench_ops.json", help="JSON output path")
     args = parser.parse_args(argv)
     reps = args.reps or (5 if args.quick else 20)

@@ -41,15 +41,15 @@ ORT_LORA_INLINE float HSum(V16 a) {
               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Shrink tile: v[i * ldv + j] = scale * (x_i . A_j) for MR rows of x and NR rows of A
-// (length k). The segment's scale is applied here, on the small [n, r] result.
+// Shrink tile: v[i * ldv + j] += scale * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and NR
+// rows of A. The segment's scale is applied here, on the small [n, r] result.
 template <typename V, int MR, int NR>
-ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const* a, int64_t k,
-                                float scale, float* v, int64_t ldv) {
+ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const* a, int64_t k0,
+                                int64_t k1, float scale, float* v, int64_t ldv) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   V acc[MR][NR] = {};
-  int64_t kk = 0;
-  for (; kk + kLanes <= k; kk += kLanes) {
+  int64_t kk = k0;
+  for (; kk + kLanes <= k1; kk += kLanes) {
     V xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = Load<V>(x + i * ldx + kk);
     for (int j = 0; j < NR; ++j) {
@@ -60,8 +60,8 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const*
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = HSum(acc[i][j]);
-      for (int64_t q = kk; q < k; ++q) s += x[i * ldx + q] * a[j][q];
-      v[i * ldv + j] = scale * s;
+      for (int64_t q = kk; q < k1; ++q) s += x[i * ldx + q] * a[j][q];
+      v[i * ldv + j] += scale * s;
     }
   }
 }
@@ -116,30 +116,37 @@ struct Plan {
   std::vector<Item> expand;
 };
 
+// Rows [0, n) x A rows [j0, j1) over columns [k0, k1): A rows outer, x rows inner, so a group
+// of A rows stays in L1 while the x rows stream by.
+template <typename V, int NR>
+ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t k, const SgmvSegment& s,
+                                 int64_t j, int64_t k0, int64_t k1, float* v) {
+  const int64_t r = s.rank;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4)
+    ShrinkTile<V, 4, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
+  for (; t < n; ++t)
+    ShrinkTile<V, 1, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
+}
+
+// Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
+constexpr int64_t kShrinkKBlock = 1024;
+
 template <typename V>
 ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   const Item& it = plan.shrink[index];
   const SgmvProblem& p = *plan.p;
   const SgmvSegment& s = p.segments[it.seg];
-  const int64_t k = p.in_features;
-  float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
+  const int64_t k = p.in_features, r = s.rank;
+  float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * r;
   const float* x = p.x + it.row0 * k;
   const int64_t n = it.row1 - it.row0;
-  // A rows outer, x rows inner: a group of A rows stays in L1 while the x rows stream by.
-  int64_t j = it.lo;
-  for (; j + 4 <= it.hi; j += 4) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4)
-      ShrinkTile<V, 4, 4>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
-    for (; t < n; ++t)
-      ShrinkTile<V, 1, 4>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
-  }
-  for (; j < it.hi; ++j) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4)
-      ShrinkTile<V, 4, 1>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
-    for (; t < n; ++t)
-      ShrinkTile<V, 1, 1>(x + t * k, k, s.a_rows + j, k, s.scale, v + t * s.rank + j, s.rank);
+  for (int64_t t = 0; t < n; ++t) std::fill(v + t * r + it.lo, v + t * r + it.hi, 0.0f);
+  for (int64_t k0 = 0; k0 < k; k0 += kShrinkKBlock) {
+    const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
+    int64_t j = it.lo;
+    for (; j + 4 <= it.hi; j += 4) ShrinkGroup<V, 4>(x, n, k, s, j, k0, k1, v);
+    for (; j < it.hi; ++j) ShrinkGroup<V, 1>(x, n, k, s, j, k0, k1, v);
   }
 }
 
