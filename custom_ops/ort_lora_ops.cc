@@ -3,6 +3,9 @@
 #include "common/ort_common.h"
 #include "lora_sgmv/lora_sgmv_op.h"
 #include "paged_attention/paged_attention_op.h"
+#ifdef ORT_LORA_WITH_CUDA
+#include "cuda/lora_sgmv_cuda_op.h"
+#endif
 
 namespace {
 
@@ -12,6 +15,10 @@ constexpr const char* kDomain = "ort_lora";
 struct Registry {
   ort_lora::LoraSgmvOp lora_sgmv_cpu;
   ort_lora::PagedAttentionOp paged_attention_cpu;
+#ifdef ORT_LORA_WITH_CUDA
+  ort_lora::LoraSgmvCudaOp lora_sgmv_cuda_f16{ort_lora::SgmvDtype::kFloat16};
+  ort_lora::LoraSgmvCudaOp lora_sgmv_cuda_bf16{ort_lora::SgmvDtype::kBFloat16};
+#endif
 };
 
 }  // namespace
@@ -33,6 +40,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     Ort::CustomOpDomain domain(kDomain);
     domain.Add(&registry->lora_sgmv_cpu);
     domain.Add(&registry->paged_attention_cpu);
+#ifdef ORT_LORA_WITH_CUDA
+    // Constructing these calls no CUDA function: the library loads without a GPU or driver.
+    domain.Add(&registry->lora_sgmv_cuda_f16);
+    domain.Add(&registry->lora_sgmv_cuda_bf16);
+#endif
     Ort::UnownedSessionOptions(options).Add(domain);
     // The session options must keep the domain alive; ORT does not copy it.
     domain.release();

@@ -1,0 +1,171 @@
+#include "cuda/lora_sgmv_cuda_op.h"
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "cuda/sgmv_plan.h"
+
+namespace ort_lora {
+
+namespace {
+
+enum InputIndex : size_t {
+  kY,
+  kX,
+  kKeyCache,
+  kValueCache,
+  kSegStarts,
+  kSegSlots,
+  kAOffsets,
+  kBOffsets,
+  kRanks,
+  kScales
+};
+
+constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+
+ONNXTensorElementDataType ToOnnx(SgmvDtype dtype) {
+  return dtype == SgmvDtype::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                      : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+}
+
+struct Inputs {
+  InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
+      scales;
+};
+
+// Reads every input and checks rank, dtype and the dims the inputs share (as the CPU op).
+Inputs ReadInputs(const Ort::KernelContext& ctx, ONNXTensorElementDataType t) {
+  Inputs in{GetInput(ctx, kY),          GetInput(ctx, kX),         GetInput(ctx, kKeyCache),
+            GetInput(ctx, kValueCache), GetInput(ctx, kSegStarts), GetInput(ctx, kSegSlots),
+            GetInput(ctx, kAOffsets),   GetInput(ctx, kBOffsets),  GetInput(ctx, kRanks),
+            GetInput(ctx, kScales)};
+  Expect(in.y, "y", 2, t);
+  Expect(in.x, "x", 2, t);
+  Expect(in.key_cache, "key_cache", 4, t);
+  Expect(in.value_cache, "value_cache", 4, t);
+  Expect(in.seg_starts, "seg_starts", 1, kInt32);
+  Expect(in.seg_slots, "seg_slots", 1, kInt32);
+  Expect(in.a_offsets, "a_offsets", 2, kInt64);
+  Expect(in.b_offsets, "b_offsets", 2, kInt64);
+  Expect(in.ranks, "ranks", 2, kInt32);
+  Expect(in.scales, "scales", 2, kFloat);
+  ExpectDim(in.x, "x", 0, in.y.shape[0], "T, the rows of y");
+  for (size_t d = 0; d < 4; ++d)
+    ExpectDim(in.value_cache, "value_cache", d, in.key_cache.shape[d], "the shape of key_cache");
+  ExpectDim(in.seg_starts, "seg_starts", 0, in.seg_slots.shape[0] + 1, "S + 1, S = len(seg_slots)");
+  ExpectDim(in.b_offsets, "b_offsets", 0, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(in.b_offsets, "b_offsets", 1, in.a_offsets.shape[1], "max_rank, as a_offsets");
+  ExpectDim(in.ranks, "ranks", 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
+  ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
+  return in;
+}
+
+SgmvHostInputs HostInputs(const Inputs& in, int64_t layer) {
+  return {in.seg_starts.value.GetTensorData<int32_t>(),
+          in.seg_slots.value.GetTensorData<int32_t>(),
+          in.a_offsets.value.GetTensorData<int64_t>(),
+          in.b_offsets.value.GetTensorData<int64_t>(),
+          in.ranks.value.GetTensorData<int32_t>(),
+          in.scales.value.GetTensorData<float>(),
+          in.seg_slots.shape[0],
+          in.a_offsets.shape[0],
+          in.a_offsets.shape[1],
+          in.ranks.shape[0],
+          layer,
+          in.y.shape[0],
+          in.x.shape[1],
+          in.y.shape[1],
+          in.key_cache.value.GetTensorRawData(),
+          in.value_cache.value.GetTensorRawData(),
+          static_cast<int64_t>(in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount()),
+          2};
+}
+
+// Device scratch from the session's CUDA allocator, returned to it when Compute ends.
+struct Scratch {
+  OrtAllocator* allocator = nullptr;
+  void* ptr = nullptr;
+  ~Scratch() {
+    if (ptr != nullptr) allocator->Free(allocator, ptr);
+  }
+};
+
+void AllocScratch(const Ort::KernelContext& ctx, int device, size_t bytes, Scratch& s) {
+  Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
+  s.allocator = ctx.GetAllocator(*info);
+  if (s.allocator == nullptr) Fail("no CUDA allocator for device ", device, " in this session");
+  s.ptr = s.allocator->Alloc(s.allocator, bytes);
+  if (s.ptr == nullptr) Fail("could not allocate ", bytes, " bytes of CUDA scratch");
+}
+
+}  // namespace
+
+LoraSgmvCudaKernel::LoraSgmvCudaKernel(const OrtKernelInfo* info, SgmvDtype dtype) : dtype_(dtype) {
+  Ort::ConstKernelInfo ki(info);
+  layer_ = ki.GetAttribute<int64_t>("layer");
+  if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
+}
+
+OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
+  return GuardCompute("LoraSGMV(CUDA)", [&] { Compute(context); });
+}
+
+void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
+  Ort::KernelContext ctx(context);
+  const Inputs in = ReadInputs(ctx, ToOnnx(dtype_));
+  SgmvPlan plan;
+  try {
+    plan = BuildSgmvPlan(HostInputs(in, layer_));
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+  auto y_out = ctx.GetOutput(0, in.y.shape);
+  const int64_t num_rows = in.y.shape[0];
+  auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+  Scratch scratch;
+  if (!plan.tiles.empty()) {
+    const int device = in.x.value.GetTensorMemoryInfo().GetDeviceId();
+    AllocScratch(ctx, device, plan.ScratchBytes(num_rows), scratch);
+  }
+  const cudaError_t err = RunLoraSgmv(
+      dtype_, plan, in.x.value.GetTensorRawData(), in.y.value.GetTensorRawData(),
+      y_out.GetTensorMutableRawData(), num_rows, in.x.shape[1], in.y.shape[1], scratch.ptr, stream);
+  if (err != cudaSuccess)
+    throw Ort::Exception(
+        std::string("CUDA error ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err),
+        ORT_EP_FAIL);
+}
+
+OrtStatusPtr LoraSgmvCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info,
+                                            void** kernel) const {
+  return GuardCompute("LoraSGMV(CUDA)", [&] { *kernel = new LoraSgmvCudaKernel(info, dtype_); });
+}
+
+ONNXTensorElementDataType LoraSgmvCudaOp::ElementType() const { return ToOnnx(dtype_); }
+
+ONNXTensorElementDataType LoraSgmvCudaOp::GetInputType(size_t index) const {
+  switch (index) {
+    case kSegStarts:
+    case kSegSlots:
+    case kRanks:
+      return kInt32;
+    case kAOffsets:
+    case kBOffsets:
+      return kInt64;
+    case kScales:
+      return kFloat;
+    default:
+      return ElementType();
+  }
+}
+
+OrtMemType LoraSgmvCudaOp::GetInputMemoryType(size_t index) const {
+  return index >= kSegStarts ? OrtMemTypeCPUInput : OrtMemTypeDefault;
+}
+
+}  // namespace ort_lora

@@ -1,0 +1,48 @@
+// LoraSGMV for CUDAExecutionProvider (float16 and bfloat16): the same inputs, output and
+// semantics as the CPU op (lora_sgmv/lora_sgmv_op.h), with T = float16 or bfloat16:
+//   0 y T [T, out]   1 x T [T, in]   2 key_cache T [...]   3 value_cache T [...]   (device)
+//   4 seg_starts int32 [S + 1]  5 seg_slots int32 [S]  6 a_offsets int64 [num_slots, max_rank]
+//   7 b_offsets int64 [num_slots, max_rank]  8 ranks int32 [L, num_slots]
+//   9 scales float [L, num_slots]                                         (host, see below)
+//   output 0 y_out T [T, out] (device); attribute layer.
+// Metadata choice: inputs 4..9 are declared OrtMemTypeCPUInput, so ORT hands them over in host
+// memory (graph inputs bound on the CPU are used as they are). The kernel validates them on the
+// host exactly like the CPU op (a bad offset is an error, never an out-of-bounds read), builds
+// a compact plan of row tiles and pool row pointers (cuda/sgmv_plan.h), uploads it through a
+// pinned ring into scratch from ORT's CUDA allocator, and launches on ORT's compute stream.
+// Scratch is freed at the end of Compute: ORT's arena is stream-ordered, so the memory is only
+// handed to work queued behind these kernels. Limits: rank <= 512, T < 2^31.
+#pragma once
+
+#include "common/ort_common.h"
+#include "cuda/sgmv_launcher.h"
+
+namespace ort_lora {
+
+struct LoraSgmvCudaKernel {
+  LoraSgmvCudaKernel(const OrtKernelInfo* info, SgmvDtype dtype);
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+ private:
+  void Compute(OrtKernelContext* context);
+  int64_t layer_;
+  SgmvDtype dtype_;
+};
+
+struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, true> {
+  explicit LoraSgmvCudaOp(SgmvDtype dtype) : dtype_(dtype) {}
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return "LoraSGMV"; }
+  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 10; }
+  ONNXTensorElementDataType GetInputType(size_t index) const;
+  OrtMemType GetInputMemoryType(size_t index) const;
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType(); }
+
+ private:
+  ONNXTensorElementDataType ElementType() const;
+  SgmvDtype dtype_;
+};
+
+}  // namespace ort_lora

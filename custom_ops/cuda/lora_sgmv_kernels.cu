@@ -1,0 +1,141 @@
+// LoraSGMV CUDA kernels: SGMV / BGMV shrink and the tiled expand (see sgmv_launcher.h).
+// Every pool row may start at any element (rows are packed into pages back to back), so loads
+// are scalar; float32 accumulation throughout, one rounding to T when y_out is written.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/sgmv_launcher.h"
+
+namespace ort_lora {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunk = 64;        // columns of x / A staged per shrink iteration
+constexpr int kShrinkRanks = 16;  // ranks per SGMV shrink block
+constexpr int kWarps = kThreads / 32;
+static_assert(kShrinkRanks * kTileRows == kThreads, "one SGMV shrink output per thread");
+
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// grid (num_sgmv_tiles, ceil(max_rank / 16)); thread (i, j) computes v[row i, rank j0 + j].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ShrinkSgmv(SgmvArgs a) {
+  const SgmvTile tile = a.tiles[blockIdx.x];
+  const int j0 = blockIdx.y * kShrinkRanks;
+  if (j0 >= tile.rank) return;                 // the whole block leaves: no barrier is skipped
+  __shared__ float xs[kTileRows][kChunk + 1];  // +1: no bank conflicts reading as[j][k]
+  __shared__ float as[kShrinkRanks][kChunk + 1];
+  const T* x = static_cast<const T*>(a.x);
+  const T* const* a_rows = reinterpret_cast<const T* const*>(a.row_ptrs) + tile.rows_index;
+  const int i = threadIdx.x / kShrinkRanks, j = threadIdx.x % kShrinkRanks;
+  float acc = 0.f;
+  for (int64_t k0 = 0; k0 < a.in_features; k0 += kChunk) {
+    for (int e = threadIdx.x; e < kTileRows * kChunk; e += kThreads) {
+      const int r = e / kChunk, k = e % kChunk;
+      const bool col = k0 + k < a.in_features;
+      const int64_t row = tile.row_begin + r;
+      xs[r][k] = (r < tile.num_rows && col) ? ToFloat(x[row * a.in_features + k0 + k]) : 0.f;
+      as[r][k] = (j0 + r < tile.rank && col) ? ToFloat(a_rows[j0 + r][k0 + k]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 16
+    for (int k = 0; k < kChunk; ++k) acc += xs[i][k] * as[j][k];
+    __syncthreads();
+  }
+  if (i < tile.num_rows && j0 + j < tile.rank)
+    a.v[static_cast<int64_t>(tile.row_begin + i) * a.v_stride + j0 + j] = acc;
+}
+
+// grid (num_bgmv_tiles, ceil(max_rank / 8)); warp w computes v[rows of the tile, rank j].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ShrinkBgmv(SgmvArgs a) {
+  const SgmvTile tile = a.tiles[a.num_sgmv_tiles + blockIdx.x];
+  const int j = blockIdx.y * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (j >= tile.rank) return;  // no barriers in this kernel
+  const T* x = static_cast<const T*>(a.x);
+  const T* a_row = reinterpret_cast<const T* const*>(a.row_ptrs)[tile.rows_index + j];
+  float acc[kBgmvMaxRows] = {};
+  for (int64_t k = lane; k < a.in_features; k += 32) {
+    const float w = ToFloat(a_row[k]);
+#pragma unroll
+    for (int r = 0; r < kBgmvMaxRows; ++r)
+      if (r < tile.num_rows)
+        acc[r] += w * ToFloat(x[static_cast<int64_t>(tile.row_begin + r) * a.in_features + k]);
+  }
+#pragma unroll
+  for (int r = 0; r < kBgmvMaxRows; ++r) {
+    float s = acc[r];
+    for (int d = 16; d > 0; d /= 2) s += __shfl_xor_sync(0xffffffffu, s, d);
+    if (lane == 0 && r < tile.num_rows)
+      a.v[static_cast<int64_t>(tile.row_begin + r) * a.v_stride + j] = s;
+  }
+}
+
+// grid (num tiles, ceil(out / 256)); thread o adds scale * v[r, :] . Bt[:, o] to every row r.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ExpandTiles(SgmvArgs a) {
+  const SgmvTile tile = a.tiles[blockIdx.x];
+  __shared__ float vs[kTileRows][kMaxCudaRank];  // 32 KiB
+  for (int e = threadIdx.x; e < kTileRows * tile.rank; e += kThreads) {
+    const int r = e / tile.rank, j = e % tile.rank;
+    vs[r][j] =
+        r < tile.num_rows ? a.v[static_cast<int64_t>(tile.row_begin + r) * a.v_stride + j] : 0.f;
+  }
+  __syncthreads();
+  const int64_t o = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
+  if (o >= a.out_features) return;
+  const T* const* bt_rows =
+      reinterpret_cast<const T* const*>(a.row_ptrs) + tile.rows_index + tile.rank;
+  float acc[kTileRows] = {};
+  for (int j = 0; j < tile.rank; ++j) {
+    const float b = ToFloat(bt_rows[j][o]);
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) acc[r] += vs[r][j] * b;
+  }
+  T* y = static_cast<T*>(a.y_out);
+  for (int r = 0; r < tile.num_rows; ++r) {
+    T& out = y[static_cast<int64_t>(tile.row_begin + r) * a.out_features + o];
+    out = FromFloat<T>(ToFloat(out) + tile.scale * acc[r]);
+  }
+}
+
+unsigned Blocks(int64_t n, int64_t per) { return static_cast<unsigned>((n + per - 1) / per); }
+
+template <typename T>
+cudaError_t Launch(const SgmvArgs& a, cudaStream_t stream) {
+  if (a.num_sgmv_tiles > 0) {
+    ShrinkSgmv<T>
+        <<<dim3(a.num_sgmv_tiles, Blocks(a.max_rank, kShrinkRanks)), kThreads, 0, stream>>>(a);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (a.num_bgmv_tiles > 0) {
+    ShrinkBgmv<T><<<dim3(a.num_bgmv_tiles, Blocks(a.max_rank, kWarps)), kThreads, 0, stream>>>(a);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  const int num_tiles = a.num_sgmv_tiles + a.num_bgmv_tiles;
+  if (num_tiles > 0) {
+    ExpandTiles<T><<<dim3(num_tiles, Blocks(a.out_features, kThreads)), kThreads, 0, stream>>>(a);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t LaunchLoraSgmv(SgmvDtype dtype, const SgmvArgs& args, cudaStream_t stream) {
+  return dtype == SgmvDtype::kFloat16 ? Launch<__half>(args, stream)
+                                      : Launch<__nv_bfloat16>(args, stream);
+}
+
+}  // namespace ort_lora
