@@ -44,19 +44,21 @@ from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters  # noqa:
 F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
 
 
-def wall_times(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
-    """(median, min) wall time of fn() in seconds over `reps` runs after `warmup` untimed ones.
+def run_times(fn, reps: int, clock, warmup: int = 3) -> tuple[float, float]:
+    """(median, min) time of fn() in seconds over `reps` runs after `warmup` untimed ones.
 
-    The median is the headline number; the min shows the kernel's speed when the machine is
-    shared with other work (it is always reported next to the median, never instead of it).
+    clock is time.perf_counter (wall) or time.thread_time (this thread's CPU time: with one
+    thread, ORT and BLAS both compute on the calling thread, so this ignores time the machine
+    spends on other processes). The median is the headline number; the min shows the kernel's
+    speed on a busy shared machine and is reported next to the median, never instead of it.
     """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return float(np.median(times)), float(np.min(times))
 
 
@@ -133,7 +135,7 @@ def dense_blas_runner(feeds, rank):
     return run
 
 
-def bench_sgmv(name, rows, adapters, rank, in_f, out_f, reps, seed):
+def bench_sgmv(name, rows, adapters, rank, in_f, out_f, reps, seed, clock):
     rng = np.random.default_rng(seed)
     feeds = sgmv_feeds(rng, rows, adapters, rank, in_f, out_f)
     sess = one_node_session("LoraSGMV", SGMV_INPUTS, [("y_out", F32, 2)], layer=0)
@@ -142,8 +144,8 @@ def bench_sgmv(name, rows, adapters, rank, in_f, out_f, reps, seed):
     run_op()
     ref = lora_sgmv(**feeds, layer=0)  # a benchmark of a wrong kernel is worth nothing
     np.testing.assert_allclose(y_out, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-    t_op, t_op_min = wall_times(run_op, reps)
-    t_blas, t_blas_min = wall_times(dense_blas_runner(feeds, rank), reps)
+    t_op, t_op_min = run_times(run_op, reps, clock)
+    t_blas, t_blas_min = run_times(dense_blas_runner(feeds, rank), reps, clock)
     flops = 2.0 * rows * rank * (in_f + out_f)
     return {
         "case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f, "out": out_f,
@@ -184,7 +186,7 @@ def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
     }
 
 
-def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps, seed):
+def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps, seed, clock):
     """Returns the result row, or None (with a printed reason) when the kernel is missing."""
     rng = np.random.default_rng(seed)
     feeds = pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block)
@@ -200,8 +202,8 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
     kv_bytes = 2 * seqs * context * kv_heads * head_dim * 4  # K and V read once
     src = np.ones(kv_bytes // 4, np.float32)
     dst = np.empty_like(src)
-    t_op, t_op_min = wall_times(run_op, reps)
-    t_copy, t_copy_min = wall_times(lambda: np.copyto(dst, src), reps)
+    t_op, t_op_min = run_times(run_op, reps, clock)
+    t_copy, t_copy_min = run_times(lambda: np.copyto(dst, src), reps, clock)
     return {
         "case": "decode", "seqs": seqs, "context": context, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "block": block, "kv_mb": kv_bytes / 2**20,
@@ -221,7 +223,7 @@ def machine_info() -> dict:
         models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
     return {
         "cpu": models[0] if models else platform.processor(), "threads": THREADS,
-        "load_average": os.getloadavg(), "python": platform.python_version(),
+        "load_average_after": os.getloadavg(), "python": platform.python_version(),
         "onnxruntime": ort.__version__, "numpy": np.__version__,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
     }  # fmt: skip
@@ -253,17 +255,26 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (median)")
     parser.add_argument("--threads", type=int, default=THREADS, help="ORT and BLAS threads")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the calling thread's CPU clock (needs --threads 1; for a shared machine)",
+    )
     parser.add_argument("--out", default="results/bench_ops.json", help="JSON output path")
     args = parser.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)
     cases = list(sgmv_cases(args.quick))
     sgmv = []
     for i, case in enumerate(cases):
         print(f"[{i + 1}/{len(cases) + 1}] LoraSGMV {case[0]} ...", flush=True)
-        sgmv.append(bench_sgmv(*case, reps=reps, seed=i))
+        sgmv.append(bench_sgmv(*case, reps=reps, seed=i, clock=clock))
     print(f"[{len(cases) + 1}/{len(cases) + 1}] PagedAttention decode ...", flush=True)
     seqs = 8 if args.quick else 32
-    pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99)
+    pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
     title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
     print_table(title, sgmv, cols)
@@ -273,7 +284,9 @@ def main(argv=None) -> int:
         print_table("PagedAttention vs np.copyto of K+V (ratio = copy time / op time)", [pa], cols)
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine_info(),
+        "machine": machine_info() | {"load_average_before": load_before},
+        "clock": "thread_cpu" if args.cpu_time else "wall",
+        "reps": reps,
         "lora_sgmv": sgmv,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
