@@ -202,12 +202,16 @@ KeyRun NextRun(const Problem& p, const WorkItem& w, int64_t j, int64_t end) {
   return {p.k + row, a.value + row, std::min(end - j, kTileKeys)};
 }
 
-// Asks for the next run while the current one is computed: the cache is read once, in
-// block-sized runs scattered over memory, so the hardware prefetcher alone stalls at each jump.
-ORT_LORA_INLINE void PrefetchRun(const KeyRun& run, int64_t stride) {
-  for (int64_t i = 0; i < run.count * stride; i += 16) {
-    __builtin_prefetch(run.k + i);
-    __builtin_prefetch(run.v + i);
+// Asks for part `part` of `parts` of a run: the next run is fetched while the current one is
+// computed, spread over its heads so the memory requests stay few at a time but never stop.
+// The cache is read once, in block-sized runs scattered over memory, where the hardware
+// prefetcher alone stalls at each jump.
+ORT_LORA_INLINE void PrefetchRun(const KeyRun& run, int64_t stride, int64_t part, int64_t parts) {
+  const int64_t lines = CeilDiv(run.count * stride, 16);
+  const int64_t end = std::min(lines, CeilDiv(lines, parts) * (part + 1));
+  for (int64_t i = CeilDiv(lines, parts) * part; i < end; ++i) {
+    __builtin_prefetch(run.k + i * 16);
+    __builtin_prefetch(run.v + i * 16);
   }
 }
 
@@ -227,21 +231,23 @@ ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
   for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + d, 0.0f);
   const int64_t past = a.past_seqlens[w.seq];
   KeyRun next = NextRun(p, w, w.ctx_begin, w.ctx_end);
-  PrefetchRun(next, p.row_stride);
+  PrefetchRun(next, p.row_stride, 0, 1);
   for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
     const KeyRun run = next;
-    if (j + run.count < w.ctx_end) {
-      next = NextRun(p, w, j + run.count, w.ctx_end);
-      PrefetchRun(next, p.row_stride);
-    }
+    next = j + run.count < w.ctx_end ? NextRun(p, w, j + run.count, w.ctx_end) : KeyRun{};
+    const int64_t parts = (w.q_end - w.q_begin) * a.num_heads;
     for (int64_t t = w.q_begin; t < w.q_end; ++t) {
       const int64_t pos = past + t;
       const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
       const int64_t hi = std::min(j + run.count, pos + 1);
-      if (lo >= hi) continue;
-      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
       const int64_t r0 = (t - w.q_begin) * a.num_heads;
+      if (lo >= hi) {
+        for (int64_t h = 0; h < a.num_heads; ++h) PrefetchRun(next, p.row_stride, r0 + h, parts);
+        continue;
+      }
+      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
       for (int64_t h = 0; h < a.num_heads; ++h) {
+        PrefetchRun(next, p.row_stride, r0 + h, parts);
         const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
         AttendTile(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
                    m[r0 + h], l[r0 + h], acc[r0 + h]);
