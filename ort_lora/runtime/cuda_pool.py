@@ -1,0 +1,319 @@
+"""The paged pool on a CUDA device, and asynchronous adapter uploads into it (S-LoRA prefetch).
+
+One device allocation holds the whole pool, laid out like the CPU pool
+[num_layers, 2 (K|V), num_pages, block_size, kv_heads, head_dim]; key_cache.{l} /
+value_cache.{l} are bound by pointer offset (`pool_bind_plan`), so the graph reads and writes
+the pool in place. An adapter load writes the adapter's rows (registry.write_to_pool) into a
+pinned host staging buffer shaped like a pool of len(pages) pages, then copies each (half, run
+of consecutive pages) across all layers with one cudaMemcpy2DAsync on a side stream
+(`upload_copies`) and records an event. The next step does not block the host: before ORT
+runs, its compute stream (ours, given to the CUDA EP as `user_compute_stream`) is made to wait
+on the events of the adapters the step uses (cudaStreamWaitEvent), so copies overlap with
+whatever the GPU is still doing and no kernel reads a page before its copy lands.
+
+`PrefetchTracker` is the pure bookkeeping (in-flight loads, their events, staging reuse) and
+`pool_bind_plan` / `upload_copies` are pure arithmetic: all three are unit-tested on CPU.
+`CudaRuntime` is the thin ctypes layer over the op library's ort_lora_cuda_* functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ort_lora import contract as C
+
+ELEM_BYTES = {"float16": 2, "bfloat16": 2}
+H2D = 1  # cudaMemcpyHostToDevice
+NOT_READY = 600  # cudaErrorNotReady
+
+
+# ---- pure arithmetic --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolBinding:
+    """One graph input bound to a slice of the device pool."""
+
+    name: str  # key_cache.{l} or value_cache.{l}
+    shape: tuple[int, int, int, int]  # [num_pages, block_size, kv_heads, head_dim]
+    ptr: int  # device address of its first element
+
+
+def pool_bytes(manifest: C.ModelManifest, num_pages: int) -> int:
+    """Bytes of the whole device pool."""
+    return 2 * manifest.num_layers * num_pages * manifest.page_elems * _elem_bytes(manifest)
+
+
+def pool_bind_plan(manifest: C.ModelManifest, num_pages: int, base_ptr: int) -> list[PoolBinding]:
+    """Where each key_cache.{l} / value_cache.{l} lives inside the allocation at base_ptr."""
+    m = manifest
+    half_bytes = num_pages * m.page_elems * _elem_bytes(m)
+    shape = (num_pages, m.block_size, m.num_kv_heads, m.head_dim)
+    out = []
+    for layer in range(m.num_layers):
+        for half, name in ((0, C.key_cache_name(layer)), (1, C.value_cache_name(layer))):
+            out.append(PoolBinding(name, shape, base_ptr + (2 * layer + half) * half_bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    """One cudaMemcpy2DAsync: `height` rows (layers) of `width` bytes."""
+
+    dst_offset: int  # bytes from the pool base
+    dst_pitch: int
+    src_offset: int  # bytes from the staging base
+    src_pitch: int
+    width: int
+    height: int
+
+
+def page_runs(pages: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(index in pages, first page, count) for each run of consecutive page numbers."""
+    pages = [int(p) for p in pages]
+    runs: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, p, 1))
+    return runs
+
+
+def upload_copies(manifest: C.ModelManifest, num_pages: int, pages: list[int]) -> list[Copy2D]:
+    """The copies that move a staging pool of len(pages) pages into `pages` of the device pool.
+
+    Staging page i (both halves, every layer) goes to pool page pages[i]; a run of consecutive
+    pages in one half is one 2D copy over all layers.
+    """
+    page_bytes = manifest.page_elems * _elem_bytes(manifest)
+    n = len(pages)
+    copies = []
+    for half in (0, 1):
+        for index, first, count in page_runs(pages):
+            copies.append(
+                Copy2D(
+                    dst_offset=(half * num_pages + first) * page_bytes,
+                    dst_pitch=2 * num_pages * page_bytes,
+                    src_offset=(half * n + index) * page_bytes,
+                    src_pitch=2 * n * page_bytes,
+                    width=count * page_bytes,
+                    height=manifest.num_layers,
+                )
+            )
+    return copies
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = 0x7FC0
+    return out
+
+
+def _elem_bytes(manifest: C.ModelManifest) -> int:
+    if manifest.dtype not in ELEM_BYTES:
+        raise ValueError(
+            f"a CUDA pool holds float16 or bfloat16; the model's dtype is {manifest.dtype}"
+        )
+    return ELEM_BYTES[manifest.dtype]
+
+
+# ---- pure bookkeeping -------------------------------------------------------------------------
+
+
+@dataclass
+class Staging:
+    """A pinned host buffer (address, capacity in bytes) reused across loads."""
+
+    ptr: int
+    capacity: int
+
+
+@dataclass
+class Load:
+    """An adapter upload in flight: its event fires when the copy has landed."""
+
+    adapter_id: int
+    pages: tuple[int, ...]
+    event: object
+    staging: Staging
+
+
+@dataclass
+class PrefetchTracker:
+    """Which uploads are in flight, which events a step waits for, which staging is free.
+
+    No CUDA here: events and staging buffers are opaque; `retire` asks a callback whether an
+    event has fired. A staging buffer returns to the free list only when its copy has landed,
+    so a new load never overwrites host memory a copy is still reading.
+    """
+
+    inflight: list[Load] = field(default_factory=list)
+    free: list[Staging] = field(default_factory=list)
+
+    def acquire(self, nbytes: int) -> Staging | None:
+        """The smallest free buffer of at least nbytes (taken off the free list), or None."""
+        fits = [s for s in self.free if s.capacity >= nbytes]
+        if not fits:
+            return None
+        best = min(fits, key=lambda s: s.capacity)
+        self.free.remove(best)
+        return best
+
+    def begin(self, load: Load) -> None:
+        """Record a load whose copies and event have been enqueued."""
+        self.inflight.append(load)
+
+    def events_for(self, adapter_ids: Iterable[int] | None) -> list[object]:
+        """Events a step using adapter_ids must wait for (None: every load in flight)."""
+        if adapter_ids is None:
+            return [ld.event for ld in self.inflight]
+        wanted = {int(a) for a in adapter_ids}
+        return [ld.event for ld in self.inflight if ld.adapter_id in wanted]
+
+    def retire(self, is_done: Callable[[object], bool]) -> list[Load]:
+        """Drop the loads whose events fired; their staging buffers become free."""
+        done = [ld for ld in self.inflight if is_done(ld.event)]
+        for ld in done:
+            self.inflight.remove(ld)
+            self.free.append(ld.staging)
+        return done
+
+    def is_loading(self, adapter_id: int) -> bool:
+        return any(ld.adapter_id == adapter_id for ld in self.inflight)
+
+
+# ---- the CUDA layer ---------------------------------------------------------------------------
+
+
+class CudaError(RuntimeError):
+    """A CUDA call of the op library failed; the message names the call and CUDA's error."""
+
+
+class CudaRuntime:
+    """ctypes view of the op library's ort_lora_cuda_* helpers (nothing runs at import)."""
+
+    def __init__(self, library: str | None = None):
+        from ort_lora._lib import library_path
+
+        self.lib = ctypes.CDLL(library or library_path())
+        if not hasattr(self.lib, "ort_lora_cuda_malloc"):
+            raise CudaError(
+                f"{library or library_path()} was built without CUDA (no nvcc at build time)"
+            )
+        self.lib.ort_lora_cuda_error_string.restype = ctypes.c_char_p
+        self.lib.ort_lora_cuda_error_string.argtypes = [ctypes.c_int]
+
+    def call(self, name: str, *args) -> int:
+        """Calls ort_lora_cuda_<name>; raises CudaError unless it returns 0."""
+        rc = getattr(self.lib, f"ort_lora_cuda_{name}")(*args)
+        if rc != 0:
+            msg = self.lib.ort_lora_cuda_error_string(rc).decode(errors="replace")
+            raise CudaError(f"ort_lora_cuda_{name} failed: {msg} (code {rc})")
+        return rc
+
+    def _out_ptr(self, name: str, *args) -> int:
+        out = ctypes.c_void_p()
+        self.call(name, ctypes.byref(out), *args)
+        return int(out.value or 0)
+
+    def device_count(self) -> int:
+        n = ctypes.c_int(0)
+        rc = self.lib.ort_lora_cuda_device_count(ctypes.byref(n))
+        return n.value if rc == 0 else 0
+
+    def malloc(self, nbytes: int) -> int:
+        return self._out_ptr("malloc", ctypes.c_uint64(nbytes))
+
+    def host_alloc(self, nbytes: int) -> int:
+        return self._out_ptr("host_alloc", ctypes.c_uint64(nbytes))
+
+    def stream(self) -> int:
+        return self._out_ptr("stream_create")
+
+    def event(self) -> int:
+        return self._out_ptr("event_create")
+
+    def event_done(self, event: int) -> bool:
+        rc = self.lib.ort_lora_cuda_event_query(ctypes.c_void_p(event))
+        if rc in (0, NOT_READY):
+            return rc == 0
+        return bool(self.call("event_query", ctypes.c_void_p(event)))  # raises with the message
+
+    def copy_2d(self, dst: int, c: Copy2D, src: int, stream: int) -> None:
+        args = [dst + c.dst_offset, c.dst_pitch, src + c.src_offset, c.src_pitch]
+        args += [c.width, c.height]
+        v, u = ctypes.c_void_p, ctypes.c_uint64
+        self.call(
+            "memcpy_2d_async", v(args[0]), u(args[1]), v(args[2]), u(args[3]), u(args[4]),
+            u(args[5]), ctypes.c_int(H2D), v(stream),
+        )  # fmt: skip
+
+
+class CudaPool:
+    """The device pool of one model: allocation, bindings, asynchronous adapter uploads.
+
+    pool.compute_stream is the stream to give the CUDA EP (`user_compute_stream`);
+    pool.load(adapter_id, pages, write) stages and uploads an adapter; pool.wait_for(ids)
+    makes the compute stream wait for those adapters' uploads.
+    """
+
+    def __init__(self, manifest: C.ModelManifest, num_pages: int, runtime: CudaRuntime):
+        self.manifest, self.num_pages, self.rt = manifest, num_pages, runtime
+        if runtime.device_count() < 1:
+            raise CudaError("no CUDA device is visible (cudaGetDeviceCount returned 0 or failed)")
+        nbytes = pool_bytes(manifest, num_pages)
+        self.base = runtime.malloc(nbytes)
+        runtime.call("memset", ctypes.c_void_p(self.base), 0, ctypes.c_uint64(nbytes))
+        self.copy_stream = runtime.stream()
+        self.compute_stream = runtime.stream()
+        self.tracker = PrefetchTracker()
+        self.bindings = pool_bind_plan(manifest, num_pages, self.base)
+
+    def load(self, adapter_id: int, pages, write: Callable[[np.ndarray], None]) -> None:
+        """write(staging) fills a host pool of len(pages) pages; its pages go to `pages`."""
+        pages = [int(p) for p in pages]
+        self.poll()
+        m = self.manifest
+        shape = (m.num_layers, 2, len(pages), m.block_size, m.num_kv_heads, m.head_dim)
+        nbytes = int(np.prod(shape)) * 2
+        staging = self.tracker.acquire(nbytes) or Staging(self.rt.host_alloc(nbytes), nbytes)
+        pinned = np.ctypeslib.as_array((ctypes.c_uint16 * (nbytes // 2)).from_address(staging.ptr))[
+            : nbytes // 2
+        ].reshape(shape)
+        if m.dtype == "float16":
+            write(pinned.view(np.float16))
+        else:  # numpy has no bfloat16: write float32, round to bfloat16 bits
+            host = np.zeros(shape, np.float32)
+            write(host)
+            pinned[...] = float32_to_bfloat16_bits(host)
+        for c in upload_copies(m, self.num_pages, pages):
+            self.rt.copy_2d(self.base, c, staging.ptr, self.copy_stream)
+        event = self.rt.event()
+        self.rt.call("event_record", ctypes.c_void_p(event), ctypes.c_void_p(self.copy_stream))
+        self.tracker.begin(Load(int(adapter_id), tuple(pages), event, staging))
+
+    def wait_for(self, adapter_ids: Iterable[int] | None = None) -> None:
+        """Make the compute stream wait (on the GPU, not the host) for these uploads."""
+        for event in self.tracker.events_for(adapter_ids):
+            self.rt.call(
+                "stream_wait_event", ctypes.c_void_p(self.compute_stream), ctypes.c_void_p(event)
+            )
+
+    def poll(self) -> None:
+        """Free the staging of finished uploads and destroy their events."""
+        for ld in self.tracker.retire(self.rt.event_done):
+            self.rt.call("event_destroy", ctypes.c_void_p(ld.event))
+
+    def synchronize(self) -> None:
+        """Block until every upload has landed (tests, shutdown)."""
+        self.rt.call("stream_synchronize", ctypes.c_void_p(self.copy_stream))
+        self.poll()

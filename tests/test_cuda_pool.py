@@ -1,0 +1,132 @@
+"""Host side of the CUDA pool (ort_lora/runtime/cuda_pool.py), on CPU: bind plan, upload copies,
+bfloat16 rounding and the prefetch bookkeeping. The oracles are independent: the CPU pool that
+registry.write_to_pool fills directly, a byte-level memcpy2D simulation, and torch's bfloat16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ort_lora.adapters.host import HostAdapter, ModuleWeights
+from ort_lora.adapters.layout import packing, write_to_pool
+from ort_lora.contract import ModelManifest, key_cache_name, value_cache_name
+from ort_lora.runtime.cuda_pool import (
+    Load,
+    PrefetchTracker,
+    Staging,
+    float32_to_bfloat16_bits,
+    page_runs,
+    pool_bind_plan,
+    pool_bytes,
+    upload_copies,
+)
+
+
+def manifest(dtype="float16", layers=3, block=4, kv_heads=2, head_dim=8) -> ModelManifest:
+    return ModelManifest(
+        architecture="LlamaForCausalLM", model_type="llama", num_layers=layers, hidden_size=32,
+        num_heads=4, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=48,
+        vocab_size=64, max_position_embeddings=128, block_size=block, dtype=dtype,
+        device="cuda", lora_targets={"q_proj": {"in": 32, "out": 32}, "down_proj":
+        {"in": 48, "out": 32}}, eos_token_ids=[0],
+    )  # fmt: skip
+
+
+def random_adapter(rng, m: ModelManifest, rank=3) -> HostAdapter:
+    modules = {}
+    for name, size in m.lora_targets.items():
+        modules[name] = ModuleWeights(
+            a=rng.standard_normal((m.num_layers, rank, size["in"])).astype(np.float32),
+            bt=rng.standard_normal((m.num_layers, rank, size["out"])).astype(np.float32),
+            ranks=np.full(m.num_layers, rank, np.int32),
+            scales=np.full(m.num_layers, 0.5, np.float32),
+        )
+    return HostAdapter("a", Path("."), modules)
+
+
+def simulate_copies(pool_bytes_: bytearray, staging: bytes, copies) -> None:
+    """cudaMemcpy2D, byte by byte, the way CUDA defines it."""
+    for c in copies:
+        for row in range(c.height):
+            d = c.dst_offset + row * c.dst_pitch
+            s = c.src_offset + row * c.src_pitch
+            pool_bytes_[d : d + c.width] = staging[s : s + c.width]
+
+
+def test_bind_plan_matches_the_cpu_pool_views():
+    m, num_pages, base = manifest(), 5, 1 << 20
+    plan = pool_bind_plan(m, num_pages, base)
+    pool = np.zeros((m.num_layers, 2, num_pages, m.block_size, m.num_kv_heads, m.head_dim),
+                    np.float16)  # fmt: skip
+    assert pool_bytes(m, num_pages) == pool.nbytes
+    views = {}
+    for layer in range(m.num_layers):
+        views[key_cache_name(layer)] = pool[layer, 0]
+        views[value_cache_name(layer)] = pool[layer, 1]
+    assert [b.name for b in plan] == list(views)
+    for b in plan:
+        view = views[b.name]
+        assert b.shape == view.shape
+        assert b.ptr - base == view.__array_interface__["data"][0] - pool.ctypes.data
+
+
+@pytest.mark.parametrize("pages", [[3, 4, 5], [6, 1, 2], [0], [7, 5, 3, 4]])
+def test_upload_copies_land_rows_where_write_to_pool_puts_them(pages):
+    rng = np.random.default_rng(len(pages) * 7 + pages[0])
+    m, num_pages = manifest(block=4), 12
+    adapter = random_adapter(rng, m)
+    need = packing(adapter, m.page_elems).num_pages
+    pages = pages + [p for p in range(num_pages) if p not in pages][: max(0, need - len(pages))]
+    shape = (m.num_layers, 2, num_pages, m.block_size, m.num_kv_heads, m.head_dim)
+    expected = rng.standard_normal(shape).astype(np.float16)  # KV already in the pool
+    device = bytearray(expected.tobytes())
+    expected[:, :, pages] = 0  # the adapter owns its pages whole: rows, and zeros between them
+    write_to_pool(adapter, pages, expected)
+    staging = np.zeros((m.num_layers, 2, len(pages), *shape[3:]), np.float16)
+    write_to_pool(adapter, list(range(len(pages))), staging)
+    copies = upload_copies(m, num_pages, pages)
+    assert len(copies) == 2 * len(page_runs(pages))
+    simulate_copies(device, staging.tobytes(), copies)
+    got = np.frombuffer(bytes(device), np.float16).reshape(shape)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_page_runs():
+    assert page_runs([4, 5, 6, 1, 2, 9]) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
+    assert page_runs([]) == []
+
+
+def test_bfloat16_bits_match_torch():
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32) * 100
+    x[:3] = [np.inf, -np.inf, 0.0]
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(float32_to_bfloat16_bits(x), want)
+
+
+def test_cpu_pool_dtype_is_refused():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        pool_bind_plan(manifest(dtype="float32"), 4, 0)
+
+
+def test_tracker_waits_only_for_the_step_adapters_and_reuses_staging():
+    t = PrefetchTracker()
+    assert t.acquire(10) is None
+    s1, s2 = Staging(100, 64), Staging(200, 256)
+    t.begin(Load(1, (0, 1), "e1", s1))
+    t.begin(Load(2, (2,), "e2", s2))
+    assert t.events_for([2]) == ["e2"]
+    assert t.events_for([1, 2, 7]) == ["e1", "e2"]
+    assert t.events_for(None) == ["e1", "e2"]
+    assert t.events_for([7]) == []
+    assert t.acquire(1) is None  # both buffers are still being copied from
+    done = t.retire(lambda e: e == "e2")
+    assert [ld.adapter_id for ld in done] == [2]
+    assert t.is_loading(1) and not t.is_loading(2)
+    assert t.acquire(300) is None
+    assert t.acquire(100) is s2 and t.acquire(1) is None
+    t.retire(lambda e: True)
+    assert t.inflight == [] and t.acquire(64) is s1
