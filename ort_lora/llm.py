@@ -26,7 +26,7 @@ class LLM:
 
     Keyword arguments are EngineConfig fields (max_num_seqs, max_num_batched_tokens, max_loras,
     max_cpu_loras, num_pages or pool_memory_bytes, max_model_len, ...), plus adapter_root,
-    intra_op_num_threads and seed.
+    intra_op_num_threads, seed and device ("cpu", or "cuda" for a --device cuda export).
     """
 
     def __init__(
@@ -36,6 +36,7 @@ class LLM:
         adapter_root: str | Path | None = None,
         intra_op_num_threads: int | None = None,
         seed: int | None = 0,
+        device: str = "cpu",
         **config,
     ):
         self.engine = LLMEngine(
@@ -44,6 +45,7 @@ class LLM:
             adapter_root=adapter_root,
             intra_op_num_threads=intra_op_num_threads,
             seed=seed,
+            device=device,
         )
         self._ids = itertools.count()
 

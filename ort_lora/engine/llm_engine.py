@@ -12,6 +12,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,7 @@ class LLMEngine:
         adapter_root: str | Path | None = None,
         intra_op_num_threads: int | None = None,
         seed: int | None = None,
+        device: str = "cpu",
         **config_overrides,
     ):
         self.model_dir = Path(model_dir)
@@ -70,7 +72,9 @@ class LLMEngine:
         self.config = base.resolved(self.manifest)
         self.num_pages = self.config.num_pages
         self.max_model_len = self.config.max_model_len
-        self.session = ModelSession(self.model_dir, self.num_pages, intra_op_num_threads)
+        self.session = ModelSession(
+            self.model_dir, self.num_pages, intra_op_num_threads, device=device
+        )
         self.pool = PagePool(self.num_pages)
         self.scheduler = Scheduler(self.config, self.pool)
         self.registry = AdapterRegistry(self.manifest, self.config.max_cpu_loras, adapter_root)
@@ -220,12 +224,14 @@ class LLMEngine:
         if plan.is_empty:
             return []
         for a in plan.loads:
-            self.registry.write_to_pool(a.adapter_id, a.pages, self.session.pool)
+            write = functools.partial(self.registry.write_to_pool, a.adapter_id)
+            self.session.load_adapter(a.adapter_id, a.pages, write)
         t1 = time.perf_counter()
         inputs = build_metadata(plan, self.manifest.block_size, buffers=self.buffers)
         inputs.update(self.registry.lora_step_inputs(plan.lora_slots, self.num_pages))
         t2 = time.perf_counter()
-        logits = self.session.run(inputs)  # [plan.num_logit_rows, vocab]
+        used = [aid for _, aid, _ in plan.lora_slots]
+        logits = self.session.run(inputs, used)  # [plan.num_logit_rows, vocab]
         t3 = time.perf_counter()
         touched = self._postprocess(plan, logits)
         t4 = time.perf_counter()

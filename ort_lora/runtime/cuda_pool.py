@@ -141,7 +141,7 @@ class Staging:
 class Load:
     """An adapter upload in flight: its event fires when the copy has landed."""
 
-    adapter_id: int
+    adapter_id: object  # int id or name, as the scheduler names it
     pages: tuple[int, ...]
     event: object
     staging: Staging
@@ -176,7 +176,7 @@ class PrefetchTracker:
         """Events a step using adapter_ids must wait for (None: every load in flight)."""
         if adapter_ids is None:
             return [ld.event for ld in self.inflight]
-        wanted = {int(a) for a in adapter_ids}
+        wanted = set(adapter_ids)
         return [ld.event for ld in self.inflight if ld.adapter_id in wanted]
 
     def retire(self, is_done: Callable[[object], bool]) -> list[Load]:
@@ -187,7 +187,7 @@ class PrefetchTracker:
             self.free.append(ld.staging)
         return done
 
-    def is_loading(self, adapter_id: int) -> bool:
+    def is_loading(self, adapter_id) -> bool:
         return any(ld.adapter_id == adapter_id for ld in self.inflight)
 
 
@@ -299,7 +299,7 @@ class CudaPool:
             self.rt.copy_2d(self.base, c, staging.ptr, self.copy_stream)
         event = self.rt.event()
         self.rt.call("event_record", ctypes.c_void_p(event), ctypes.c_void_p(self.copy_stream))
-        self.tracker.begin(Load(int(adapter_id), tuple(pages), event, staging))
+        self.tracker.begin(Load(adapter_id, tuple(pages), event, staging))
 
     def wait_for(self, adapter_ids: Iterable[int] | None = None) -> None:
         """Make the compute stream wait (on the GPU, not the host) for these uploads."""
@@ -317,3 +317,28 @@ class CudaPool:
         """Block until every upload has landed (tests, shutdown)."""
         self.rt.call("stream_synchronize", ctypes.c_void_p(self.copy_stream))
         self.poll()
+
+
+# ---- ONNX Runtime glue (used by ModelSession(device="cuda")) ----------------------------------
+
+ORT_ELEMENT_TYPES = {"float16": np.float16, "bfloat16": 16}  # 16: TensorProto.BFLOAT16
+
+
+def cuda_providers(pool: CudaPool, device_id: int = 0) -> list:
+    """CUDA EP options that run the graph on pool.compute_stream, CPU EP for the rest."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise CudaError(
+            f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+            f"(available: {ort.get_available_providers()}); install onnxruntime-gpu"
+        )
+    options = {"device_id": str(device_id), "user_compute_stream": str(pool.compute_stream)}
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def bind_cuda_pool(binding, pool: CudaPool, device_id: int = 0) -> None:
+    """Bind every key_cache.{l} / value_cache.{l} to its slice of the device pool."""
+    element = ORT_ELEMENT_TYPES[pool.manifest.dtype]
+    for b in pool.bindings:
+        binding.bind_input(b.name, "cuda", device_id, element, list(b.shape), b.ptr)

@@ -118,6 +118,7 @@ class ModelSession:
     model_dir: str | Path
     num_pages: int
     intra_op_num_threads: int | None = None
+    device: str = "cpu"  # "cpu" (numpy pool) or "cuda" (device pool, runtime/cuda_pool.py)
     timing: StepTiming = field(default_factory=StepTiming, init=False)
 
     def __post_init__(self):
@@ -127,19 +128,30 @@ class ModelSession:
 
         self.model_dir = Path(self.model_dir)
         self.manifest = C.ModelManifest.load(self.model_dir)
-        if self.manifest.device != "cpu":
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.manifest.device != self.device:
             raise ValueError(
                 f"{self.model_dir} was exported for device {self.manifest.device}; "
-                "ModelSession runs CPU exports (device cpu, float32)"
+                f"this session runs device {self.device} (export again with --device {self.device})"
             )
         if self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
         opts = {"intra_op_num_threads": self.intra_op_num_threads}
         opts = {k: v for k, v in opts.items() if v is not None}
+        providers = ["CPUExecutionProvider"]
+        self.cuda_pool = None
+        if self.device == "cuda":
+            from ort_lora.runtime import cuda_pool
+
+            self.cuda_pool = cuda_pool.CudaPool(
+                self.manifest, self.num_pages, cuda_pool.CudaRuntime()
+            )
+            providers = cuda_pool.cuda_providers(self.cuda_pool)
         self.ort_session = ort.InferenceSession(
             str(self.model_dir / C.MODEL_NAME),
             sess_options=ort_lora.session_options(**opts),
-            providers=["CPUExecutionProvider"],
+            providers=providers,
         )
         self._input_names = {i.name for i in self.ort_session.get_inputs()}
         self._bind_pool()
@@ -148,6 +160,13 @@ class ModelSession:
         import onnxruntime as ort
 
         m = self.manifest
+        if self.cuda_pool is not None:
+            from ort_lora.runtime.cuda_pool import bind_cuda_pool
+
+            self.pool = None  # the pool lives on the device: write adapters with load_adapter
+            self.binding = self.ort_session.io_binding()
+            bind_cuda_pool(self.binding, self.cuda_pool)
+            return
         shape = (m.num_layers, 2, self.num_pages, m.block_size, m.num_kv_heads, m.head_dim)
         self.pool = np.zeros(shape, dtype=POOL_DTYPES[m.dtype])  # allocated once, never copied
         self.binding = self.ort_session.io_binding()
@@ -160,9 +179,27 @@ class ModelSession:
                 self.binding.bind_ortvalue_input(name, value)
                 self._pool_values.append(value)
 
-    def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """One step: bind the metadata inputs, run, return logits float32 [N, vocab]."""
+    def load_adapter(self, adapter_id: int, pages, write) -> None:
+        """Put an adapter into its pool pages; write(pages, pool) fills a host pool array.
+
+        CPU: write(pages, self.pool). CUDA: write into pinned staging, then an asynchronous
+        upload that the next step using adapter_id waits for (on the GPU).
+        """
+        if self.cuda_pool is None:
+            write(pages, self.pool)
+        else:
+            staged_pages = list(range(len(pages)))  # staging is a pool of len(pages) pages
+            self.cuda_pool.load(adapter_id, pages, lambda staging: write(staged_pages, staging))
+
+    def run(self, inputs: dict[str, np.ndarray], adapter_ids=None) -> np.ndarray:
+        """One step: bind the metadata inputs, run, return logits float32 [N, vocab].
+
+        adapter_ids: the adapters the step uses; on CUDA the step waits for their uploads
+        (None: for every upload in flight). Ignored on CPU, where loads are synchronous.
+        """
         t0 = time.perf_counter()
+        if self.cuda_pool is not None:
+            self.cuda_pool.wait_for(adapter_ids)
         keep = []
         for name, value in inputs.items():
             if name not in self._input_names:

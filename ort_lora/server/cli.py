@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=int, help="pool size in pages")
     pool.add_argument("--pool-memory-mb", type=int, help="pool size in MiB (default 512)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -101,7 +102,10 @@ def build_app(args: argparse.Namespace):
 
     model_dir, modules = resolve_model(args)
     engine = AsyncEngine.from_model_dir(
-        model_dir, max_queued_requests=args.max_queued_requests, **engine_overrides(args)
+        model_dir,
+        max_queued_requests=args.max_queued_requests,
+        device=getattr(args, "device", "cpu"),
+        **engine_overrides(args),
     )
     names = [name for name, _ in modules]
     if len(set(names)) != len(names):
