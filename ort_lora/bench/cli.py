@@ -1,0 +1,174 @@
+"""`ort-lora bench`: run every benchmark system on the workloads, one process per run, and
+write results.json, report.md and PNG plots into the results directory.
+
+    ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests (~20 min)
+    ort-lora bench --quick          tiny random model, 8 requests (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ort_lora.bench import assets, plan
+from ort_lora.bench.output import write_outputs
+
+ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ort-lora bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny random model, small workloads")
+    p.add_argument("--model", choices=["smollm2", "tiny"], help="default: tiny with --quick")
+    p.add_argument("--out", default="results/bench", help="results directory")
+    p.add_argument(
+        "--cache-dir",
+        default=os.environ.get("ORT_LORA_BENCH_CACHE", "~/.cache/ort-lora/bench"),
+        help="built models and generated adapters (reused between runs)",
+    )
+    p.add_argument("--systems", help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--experiments", help="comma-separated subset of " + ",".join(plan.EXPERIMENTS))
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of the generated adapters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+    return p
+
+
+def parse_subset(text: str | None, allowed, what: str) -> list[str]:
+    if text is None:
+        return list(allowed)
+    picked = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in picked if s not in allowed]
+    if bad or not picked:
+        raise ValueError(f"--{what}: unknown {bad or text!r}; expected a subset of {list(allowed)}")
+    return picked
+
+
+def build_assets(args, systems: list[str], notes: list[str]) -> dict:
+    """Checkpoint, export, adapters and (if asked for and installed) genai models."""
+    scale = plan.QUICK if args.quick else plan.FULL
+    source = assets.ModelSource(args.model or ("tiny" if args.quick else "smollm2"))
+    cache = Path(args.cache_dir).expanduser() / source.name
+    hf = source.hf_checkpoint(cache)
+    block = 8 if source.name == "tiny" else 16
+    models = {"hf": hf, "ort_lora": assets.ort_lora_model(hf, cache, block)}
+    count = max(scale.num_requests, scale.num_adapters)
+    adapters = assets.random_adapters(hf, cache, count, args.rank, args.seed)
+    built = dict(scale=scale, cache=cache, models=models, adapters=adapters, genai_adapters=[])
+    genai = [s for s in systems if s in plan.GENAI_SYSTEMS]
+    why = assets.genai_available() if genai else None
+    try:
+        if genai and why is None:
+            models["genai_base"] = assets.genai_base(hf, cache)
+            if "genai-multilora" in genai:
+                models["genai_lora"], built["genai_adapters"] = assets.genai_lora(
+                    hf, cache, adapters[: scale.num_adapters]
+                )
+    except Exception as exc:  # a builder failure skips genai, never the whole run
+        why = f"onnxruntime-genai systems skipped: building their models failed: {exc}"
+    if why:
+        notes.append(why)
+        print(f"ort-lora bench: {why}", file=sys.stderr)
+        systems[:] = [s for s in systems if s not in plan.GENAI_SYSTEMS]
+    built["vocab_size"] = json.loads((hf / "config.json").read_text())["vocab_size"]
+    return built
+
+
+def run_one(spec, timeout: float, log: Path) -> dict:
+    """Run one spec in a fresh worker process; its result row (an error row on failure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.save(spec_path)
+        cmd = [sys.executable, "-m", "ort_lora.bench.worker", str(spec_path), str(out_path)]
+        with log.open("a") as f:
+            f.write(f"\n=== {spec.experiment} / {spec.label}\n")
+            f.flush()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # -> the error row below
+                subprocess.run(cmd, stdout=f, stderr=f, timeout=timeout, check=False)
+        if out_path.is_file():
+            return json.loads(out_path.read_text())
+    return {
+        "label": spec.label,
+        "system": spec.system,
+        "experiment": spec.experiment,
+        "workload": spec.load.name,
+        "num_adapters": spec.load.num_adapters,
+        "error": f"the worker died or ran past {timeout:.0f}s (see bench.log)",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        systems = parse_subset(args.systems, ALL_SYSTEMS, "systems")
+        experiments = parse_subset(args.experiments, plan.EXPERIMENTS, "experiments")
+        if args.threads < 1 or args.rank < 1:
+            raise ValueError(f"--threads and --rank must be >= 1, got {args.threads}, {args.rank}")
+    except ValueError as exc:
+        print(f"ort-lora bench: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    built = build_assets(args, systems, notes)
+    runs = plan.experiments(built["scale"], built["vocab_size"], set(systems), args.seed)
+    runs = [r for r in runs if r["experiment"].split("/")[0] in experiments]
+    results = _measure(runs, built, args, out / "bench.log")
+    meta = _meta(args, argv, built, notes)
+    write_outputs(out, results, meta, list(built["scale"].shapes))
+    print(f"ort-lora bench: {len(results)} runs -> {out}/results.json, report.md, *.png")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
+    from tqdm import tqdm
+
+    results = []
+    bar = tqdm(runs, desc="bench", unit="run")
+    for run in bar:
+        bar.set_postfix_str(f"{run['experiment']}: {run['label']}")
+        adapters = built["adapters"]
+        if run["experiment"] == "registered":
+            adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
+        spec = plan.to_spec(run, built["models"], adapters, built["genai_adapters"], args.threads)
+        results.append(run_one(spec, args.timeout, log))
+    return results
+
+
+def _meta(args, argv, built: dict, notes: list[str]) -> dict:
+    import numpy as np
+    import onnxruntime
+
+    return {
+        "command": "ort-lora bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}",
+        "cpu": _cpu_name(),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": np.__version__,
+        "model": str(built["models"]["hf"]),
+        "threads": args.threads,
+        "rank": args.rank,
+        "seed": args.seed,
+        "notes": notes,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

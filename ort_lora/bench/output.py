@@ -1,0 +1,100 @@
+"""Write one bench run: results.json (schema below), report.md and the PNG plots.
+
+results.json = {"schema": 1, "meta": {command, date, machine, cpu, ...},
+                "results": [row, ...], "targets": [{"what", "measured", "goal"}, ...]}
+row = {label, system, experiment, workload, num_requests, num_adapters, duration_s,
+       output_tokens, output_tok_s, requests_s, ttft_p{50,90,99}_ms, itl_p{50,90,99}_ms,
+       peak_rss_mb, extra}  or  {label, system, experiment, workload, ..., error}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ort_lora.bench import plots, report
+
+SCHEMA = 1
+ROW_KEYS = (
+    "label",
+    "system",
+    "experiment",
+    "workload",
+    "num_adapters",
+    "output_tok_s",
+    "requests_s",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p90_ms",
+    "itl_p99_ms",
+    "peak_rss_mb",
+)
+
+
+def write_outputs(out: Path, results: list[dict], meta: dict, shapes: list[str]) -> list[Path]:
+    """Write results.json, report.md and the plots into `out`; the paths written."""
+    checks = report.targets(results, shapes)
+    doc = {
+        "schema": SCHEMA,
+        "meta": meta,
+        "results": results,
+        "targets": [{"what": w, "measured": v, "goal": g} for w, v, g in checks],
+    }
+    paths = [out / "results.json", out / "report.md"]
+    paths[0].write_text(json.dumps(doc, indent=1))
+    pngs = _plots(out, results, shapes)
+    paths[1].write_text(markdown(doc, shapes, [p.name for p in pngs]))
+    return paths + pngs
+
+
+def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
+    pngs = []
+    for shape in shapes:
+        rows = report.rows_of(results, f"systems/{shape}")
+        title = f"{shape}: output tokens/s"
+        pngs.append(
+            plots.bar_plot(rows, "output_tok_s", title, "tok/s", out / f"systems_{shape}.png")
+        )
+    pop = report.rows_of(results, "popularity")
+    pngs.append(
+        plots.bar_plot(pop, "output_tok_s", "adapter popularity", "tok/s", out / "popularity.png")
+    )
+    reg = report.rows_of(results, "registered")
+    pngs.append(
+        plots.line_plot(
+            reg, "num_adapters", "output_tok_s", "registered adapters", out / "registered.png"
+        )
+    )
+    pngs.append(plots.latency_plot(report.rows_of(results, "trace"), out / "trace_latency.png"))
+    return pngs
+
+
+def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
+    """report.md: the command, the machine, the target checks, one table per experiment."""
+    meta, results = doc["meta"], doc["results"]
+    lines = [
+        "# ort-lora bench results",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}  ",
+        f"Machine: {meta['cpu']} ({meta['machine']}), "
+        f"{meta['threads']} intra-op threads per runtime",
+        "",
+    ]
+    lines += [f"- {n}" for n in meta.get("notes", [])]
+    checks = [(t["what"], t["measured"], t["goal"]) for t in doc["targets"]]
+    lines += ["", "## Targets", "", report.targets_table(checks), ""]
+    experiments = [f"systems/{s}" for s in shapes] + [
+        "popularity",
+        "trace",
+        "registered",
+        "prefill",
+    ]
+    for exp in experiments:
+        rows = report.rows_of(results, exp)
+        if rows:
+            lines += [f"## {exp}", "", report.table(rows), ""]
+    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs]
+    return "\n".join(lines) + "\n"

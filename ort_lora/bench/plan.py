@@ -1,0 +1,104 @@
+"""The experiments of one `ort-lora bench` run, as a list of RunSpecs (pure: builds nothing).
+
+systems     every system on two shapes (decode-heavy, prefill-heavy), 16 adapters,
+            request i on adapter i % 16, plus base-only rows
+popularity  ort-lora on Punica's patterns (distinct, uniform, skewed, identical)
+trace       S-LoRA's trace (Gamma arrivals) on the engine and through the HTTP server
+registered  ort-lora as the number of registered adapters grows
+prefill     ort-lora base-only prefill (1 output token), with the machine's sgemm rate
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ort_lora.bench import workloads as W
+from ort_lora.bench.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Workload sizes: `full` for SmolLM2 on this machine, `quick` for the tiny model."""
+
+    num_requests: int
+    num_adapters: int
+    shapes: dict[str, tuple[int, int]]  # shape name -> (prompt tokens, new tokens)
+    registered: tuple[int, ...]
+    trace: dict
+
+
+FULL = Scale(
+    num_requests=32,
+    num_adapters=16,
+    shapes={"decode-heavy": (8, 64), "prefill-heavy": (64, 32)},
+    registered=(5, 100, 1000),
+    trace=dict(n=48, rate=4.0, cv=1.0, prompt_range=(8, 64), output_range=(16, 64)),
+)
+QUICK = Scale(
+    num_requests=8,
+    num_adapters=4,
+    shapes={"decode-heavy": (4, 8), "prefill-heavy": (16, 4)},
+    registered=(2, 6),
+    trace=dict(n=8, rate=20.0, cv=1.0, prompt_range=(4, 12), output_range=(2, 8)),
+)
+
+# (system, label, pattern): the rows of the systems experiment
+SYSTEM_ROWS = (
+    ("ort-lora", "ort-lora mixed", "uniform"),
+    ("ort-lora", "ort-lora base", "base"),
+    ("transformers", "transformers+PEFT mixed", "uniform"),
+    ("transformers", "transformers base", "base"),
+    ("genai", "onnxruntime-genai base", "base"),
+    ("genai-multilora", "onnxruntime-genai multi-LoRA (grouped)", "uniform"),
+    ("ort-lora-http", "ort-lora HTTP mixed", "uniform"),
+)
+GENAI_SYSTEMS = ("genai", "genai-multilora")
+EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill")
+
+
+def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0) -> list[dict]:
+    """(system, label, experiment, workload) of every run, in the order they are measured."""
+    runs = []
+    n, a = scale.num_requests, scale.num_adapters
+    for shape, (plen, new) in scale.shapes.items():
+        for system, label, pattern in SYSTEM_ROWS:
+            w = W.popularity_workload(pattern, n, plen, new, vocab_size, a, seed)
+            runs.append(_run(system, label, f"systems/{shape}", w))
+    plen, new = next(iter(scale.shapes.values()))
+    for pattern in ("distinct", "uniform", "skewed", "identical", "base"):
+        w = W.popularity_workload(pattern, n, plen, new, vocab_size, a, seed)
+        runs.append(_run("ort-lora", f"ort-lora {pattern}", "popularity", w))
+    t = scale.trace
+    trace = W.slora_trace(
+        t["n"], t["rate"], t["cv"], t["prompt_range"], t["output_range"], vocab_size, a, seed
+    )
+    runs.append(_run("ort-lora", "ort-lora engine", "trace", trace))
+    runs.append(_run("ort-lora-http", "ort-lora HTTP", "trace", trace))
+    for count in scale.registered:
+        w = W.registered_workload(n, plen, new, vocab_size, count, seed)
+        runs.append(_run("ort-lora", f"ort-lora {count} registered", "registered", w))
+    plen_prefill = max(p for p, _ in scale.shapes.values())
+    w = W.popularity_workload("base", n, plen_prefill, 1, vocab_size, 0, seed)
+    runs.append(_run("ort-lora", "ort-lora base prefill", "prefill", w, sgemm=True))
+    return [r for r in runs if r["system"] in systems]
+
+
+def _run(system: str, label: str, experiment: str, workload: W.Workload, **options) -> dict:
+    return dict(
+        system=system, label=label, experiment=experiment, workload=workload, options=options
+    )
+
+
+def to_spec(run: dict, models: dict, adapters: list, genai_adapters: list, threads: int):
+    """The RunSpec of one planned run, given the built assets."""
+    return RunSpec(
+        system=run["system"],
+        label=run["label"],
+        experiment=run["experiment"],
+        workload=run["workload"].to_json(),
+        models={k: str(v) for k, v in models.items()},
+        adapters=[str(p) for p in adapters],
+        genai_adapters=[str(p) for p in genai_adapters],
+        threads=threads,
+        options=run["options"],
+    )

@@ -1,0 +1,64 @@
+"""PNG plots of a benchmark run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_plot(rows: list[dict], key: str, title: str, ylabel: str, path: Path) -> Path:
+    """One bar per run (label), height = row[key]; failed runs are left out."""
+    plt = _plt()
+    ok = [r for r in rows if "error" not in r and r.get(key) is not None]
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(ok) + 2), 4))
+    ax.bar(range(len(ok)), [r[key] for r in ok], color="tab:blue")
+    ax.set_xticks(range(len(ok)), [r["label"] for r in ok], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def line_plot(rows: list[dict], x: str, y: str, title: str, path: Path) -> Path:
+    """Throughput against a numeric field (e.g. registered adapters), log x."""
+    plt = _plt()
+    ok = sorted((r for r in rows if "error" not in r), key=lambda r: r[x])
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([r[x] for r in ok], [r[y] for r in ok], marker="o")
+    ax.set_xscale("log")
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(y.replace("_", " "))
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def latency_plot(rows: list[dict], path: Path) -> Path:
+    """TTFT and ITL percentiles (p50, p90, p99) of each run, grouped bars."""
+    plt = _plt()
+    ok = [r for r in rows if "error" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, metric in zip(axes, ("ttft", "itl")):
+        for j, p in enumerate((50, 90, 99)):
+            vals = [r.get(f"{metric}_p{p}_ms") or 0 for r in ok]
+            ax.bar([i + 0.25 * j for i in range(len(ok))], vals, width=0.25, label=f"p{p}")
+        ax.set_xticks([i + 0.25 for i in range(len(ok))], [r["label"] for r in ok], fontsize=8)
+        ax.set_ylabel(f"{metric.upper()} ms")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
