@@ -142,6 +142,30 @@ def test_layer_attribute_selects_ranks_and_scales():
         )
 
 
+def test_y_produced_by_another_node():
+    """y = 2 * y_in: y is an intermediate tensor of the graph, as in an exported model."""
+    names = [n for n, _, _ in INPUTS]
+    vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in INPUTS]
+    vis[0] = helper.make_tensor_value_info("y_in", TensorProto.FLOAT, ["T", "out"])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    nodes = [
+        helper.make_node("Mul", ["y_in", "two"], ["y"]),
+        helper.make_node("LoraSGMV", names, ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=0),
+    ]
+    out = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
+    graph = helper.make_graph(nodes, "y_from_node", vis, [out], initializer=[two])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    sess = ort.InferenceSession(
+        model.SerializeToString(), ort_lora.session_options(intra_op_num_threads=2)
+    )
+    feeds = make_case(450, [6, 5, 300, 2], [0, -1, 1, 0], [8, 16])
+    y_in = feeds.pop("y")
+    got = sess.run(None, {"y_in": y_in, **feeds})[0]
+    ref = lora_sgmv(2 * y_in, **feeds, layer=0)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * float(np.abs(ref).max()))
+
+
 def test_unused_slot_offsets_are_not_read():
     feeds = make_case(500, [4, 3], [0, -1], [4, 4])
     feeds["a_offsets"][1] = -7  # slot 1 is used by no segment

@@ -177,7 +177,7 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   float* y_out = p.y_out + it.row0 * ldy;
   const int64_t n = it.row1 - it.row0;
   if (it.seg < 0) {
-    std::copy(y, y + n * ldy, y_out);
+    if (y != y_out) std::copy(y, y + n * ldy, y_out);  // a caller may update y in place
     return;
   }
   const SgmvSegment& s = p.segments[it.seg];

@@ -28,7 +28,7 @@ struct SgmvSegment {
 struct SgmvProblem {
   const float* x;  // [num_rows, in]
   const float* y;  // [num_rows, out]
-  float* y_out;    // [num_rows, out]
+  float* y_out;    // [num_rows, out]; may equal y (each element is read before it is written)
   int64_t num_rows;
   int64_t in_features;
   int64_t out_features;
