@@ -1,0 +1,67 @@
+"""LoraSGMV on a CUDA device without ONNX Runtime: the op library's ort_lora_cuda_sgmv entry.
+
+For checks and benchmarks (bench/gpu_check.py, tests/test_cuda_sgmv.py): the same kernels and
+host plan as the CUDA EP op, fed with device pointers (`lora_sgmv_ptrs`) or numpy arrays that
+are copied to the device and back (`lora_sgmv_numpy`). Metadata stays on the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ort_lora.runtime.cuda_pool import CudaError, CudaRuntime
+
+DTYPES = {"float16": 0, "bfloat16": 1}
+D2H = 2
+
+
+def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key: int,
+                   value: int, half: int, meta: dict, layer: int, num_rows: int,
+                   in_features: int, out_features: int, stream: int = 0) -> None:  # fmt: skip
+    """Enqueue LoraSGMV on `stream`. x/y/y_out/key/value: device addresses; half: elements of
+    key_cache; meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
+    m = {
+        "seg_starts": np.ascontiguousarray(meta["seg_starts"], np.int32),  # [S + 1]
+        "seg_slots": np.ascontiguousarray(meta["seg_slots"], np.int32),  # [S]
+        "a_offsets": np.ascontiguousarray(meta["a_offsets"], np.int64),  # [slots, max_rank]
+        "b_offsets": np.ascontiguousarray(meta["b_offsets"], np.int64),  # [slots, max_rank]
+        "ranks": np.ascontiguousarray(meta["ranks"], np.int32),  # [L, slots]
+        "scales": np.ascontiguousarray(meta["scales"], np.float32),  # [L, slots]
+    }
+    v, i64 = ctypes.c_void_p, ctypes.c_int64
+    ptr = {k: a.ctypes.data_as(ctypes.c_void_p) for k, a in m.items()}
+    rc = rt.lib.ort_lora_cuda_sgmv(
+        ctypes.c_int(DTYPES[dtype]), v(x), v(y), v(y_out), v(key), v(value), i64(half),
+        ptr["seg_starts"], ptr["seg_slots"], i64(len(m["seg_slots"])), ptr["a_offsets"],
+        ptr["b_offsets"], i64(m["a_offsets"].shape[0]), i64(m["a_offsets"].shape[1]),
+        ptr["ranks"], ptr["scales"], i64(m["ranks"].shape[0]), i64(layer), i64(num_rows),
+        i64(in_features), i64(out_features), v(stream),
+    )  # fmt: skip
+    if rc != 0:
+        msg = rt.lib.ort_lora_cuda_error_string(rc).decode(errors="replace")
+        raise (ValueError if rc == -1 else CudaError)(f"LoraSGMV(CUDA): {msg}")
+
+
+def lora_sgmv_numpy(rt: CudaRuntime, dtype: str, y, x, key_cache, value_cache, meta: dict,
+                    layer: int) -> np.ndarray:  # fmt: skip
+    """y_out (same 16-bit array type as y: float16, or uint16 bfloat16 bits) via the device."""
+    arrays = [np.ascontiguousarray(a) for a in (x, y, key_cache, value_cache)]
+    if any(a.itemsize != 2 for a in arrays):
+        raise ValueError("x, y, key_cache and value_cache must be 16-bit arrays")
+    ptrs = [rt.malloc(max(a.nbytes, 2)) for a in arrays] + [rt.malloc(max(arrays[1].nbytes, 2))]
+    try:
+        for p, a in zip(ptrs, arrays):
+            rt.call("memcpy_async", ctypes.c_void_p(p), a.ctypes.data_as(ctypes.c_void_p),
+                    ctypes.c_uint64(a.nbytes), 1, ctypes.c_void_p(0))  # fmt: skip
+        lora_sgmv_ptrs(rt, dtype, ptrs[0], ptrs[1], ptrs[4], ptrs[2], ptrs[3], key_cache.size,
+                       meta, layer, y.shape[0], x.shape[1], y.shape[1])  # fmt: skip
+        out = np.empty_like(arrays[1])
+        rt.call("memcpy_async", out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(ptrs[4]),
+                ctypes.c_uint64(out.nbytes), D2H, ctypes.c_void_p(0))  # fmt: skip
+        rt.call("stream_synchronize", ctypes.c_void_p(0))
+        return out
+    finally:
+        for p in ptrs:
+            rt.lib.ort_lora_cuda_free(ctypes.c_void_p(p))

@@ -1,0 +1,114 @@
+"""The CUDA LoraSGMV kernels vs the numpy reference (ort_lora/ops/lora_sgmv_ref.py), through
+the library's ort_lora_cuda_sgmv entry (same plan and kernels as the CUDA EP op).
+
+Device tests are skipped when no CUDA device is visible (this needs a GPU and a driver); the
+CPU tests check that the library's CUDA helpers fail cleanly without one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
+from ort_lora.runtime.cuda_pool import CudaError, CudaPool, CudaRuntime, float32_to_bfloat16_bits
+from ort_lora.runtime.cuda_sgmv import lora_sgmv_numpy
+
+TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}  # relative to the output's scale
+
+
+def runtime_or_skip(need_device: bool) -> CudaRuntime:
+    try:
+        rt = CudaRuntime()
+    except CudaError as e:
+        pytest.skip(f"op library has no CUDA helpers: {e}")
+    if need_device and rt.device_count() < 1:
+        pytest.skip("no CUDA device visible (cudaGetDeviceCount = 0): the kernels need a GPU")
+    return rt
+
+
+def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """16-bit storage: float16, or bfloat16 bits as uint16."""
+    return a.astype(np.float16) if dtype == "float16" else float32_to_bfloat16_bits(a)
+
+
+def to_float(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return a.astype(np.float32)
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+def segments(layout: str, num_slots: int, rng) -> tuple[list[int], list[int]]:
+    """(lengths, slots): distinct = decode rows (BGMV), uniform / skewed = prefill (SGMV)."""
+    if layout == "distinct":
+        lengths = [1] * 12
+    elif layout == "uniform":
+        lengths = [37] * 3
+    elif layout == "skewed":
+        lengths = [70, 3, 1, 0, 18, 2]
+    else:  # identical: one adapter for all rows
+        lengths = [53]
+    slots = [int(s) for s in rng.integers(-1, num_slots, len(lengths))]
+    if layout == "identical":
+        slots = [0]
+    return lengths, slots
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("ranks", [[8], [4, 16, 64], [1, 33, 128]])
+@pytest.mark.parametrize("layout", ["distinct", "uniform", "skewed", "identical"])
+def test_kernel_matches_reference(dtype, ranks, layout):
+    rt = runtime_or_skip(need_device=True)
+    rng = np.random.default_rng(hash((dtype, tuple(ranks), layout)) % 2**32)
+    in_f, out_f, layer = 200, 328, 1
+    placed = place_random_adapters(rng, ranks, in_f, out_f)
+    lengths, slots = segments(layout, len(ranks), rng)
+    rows = sum(lengths)
+    meta = {
+        "seg_starts": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        "seg_slots": np.asarray(slots, np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": np.tile(np.asarray(ranks, np.int32), (3, 1)),
+        "scales": rng.uniform(0.5, 2.0, (3, len(ranks))).astype(np.float32),
+    }
+    x = to_dtype(rng.standard_normal((rows, in_f)).astype(np.float32), dtype)
+    y = to_dtype(rng.standard_normal((rows, out_f)).astype(np.float32), dtype)
+    key, value = to_dtype(placed.key_cache, dtype), to_dtype(placed.value_cache, dtype)
+    got = to_float(lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer), dtype)
+    f = [to_float(a, dtype) for a in (y, x, key, value)]
+    want = lora_sgmv(*f, *meta.values(), layer=layer)
+    assert np.isfinite(got).all(), "the kernel read pool elements outside the adapter rows"
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE[dtype] * scale)
+
+
+def test_bad_offset_is_a_clear_error():
+    rt = runtime_or_skip(need_device=True)
+    rng = np.random.default_rng(5)
+    placed = place_random_adapters(rng, [4], 64, 64)
+    placed.a_offsets[0, 2] = 10**9
+    meta = {
+        "seg_starts": np.array([0, 3], np.int32),
+        "seg_slots": np.array([0], np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": np.array([[4]], np.int32),
+        "scales": np.array([[1.0]], np.float32),
+    }
+    x = rng.standard_normal((3, 64)).astype(np.float16)
+    with pytest.raises(ValueError, match=r"a_offsets\[0, 2\] = 1000000000 is an out-of-range"):
+        lora_sgmv_numpy(rt, "float16", x, x, placed.key_cache.astype(np.float16),
+                        placed.value_cache.astype(np.float16), meta, 0)  # fmt: skip
+
+
+def test_without_a_device_the_helpers_fail_cleanly():
+    rt = runtime_or_skip(need_device=False)
+    if rt.device_count() > 0:
+        pytest.skip("a CUDA device is visible: this checks the no-GPU path")
+    with pytest.raises(CudaError, match="ort_lora_cuda_malloc failed"):
+        rt.malloc(1024)
+    from test_cuda_pool import manifest
+
+    with pytest.raises(CudaError, match="no CUDA device is visible"):
+        CudaPool(manifest(), 4, rt)
