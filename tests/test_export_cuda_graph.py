@@ -1,0 +1,43 @@
+"""--device cuda exports (no GPU needed to inspect them): ORT's com.microsoft.PagedAttention,
+half-precision weights, caches and rotary tables, float32 logits, ort_lora.LoraSGMV kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from safetensors.numpy import load_file
+
+from ort_lora.export import export_model
+
+ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+RTOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half an ulp of each format, with margin
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_export_graph(tiny_llama_checkpoint, tmp_path, dtype):
+    out = export_model(
+        tiny_llama_checkpoint,
+        tmp_path / "out",
+        dtype=dtype,
+        device="cuda",
+        block_size=8,
+        progress=False,
+    )
+    model = onnx.load(str(out / "model.onnx"))  # loads the external data too
+    nodes = model.graph.node
+    assert {n.domain for n in nodes if n.op_type == "PagedAttention"} == {"com.microsoft"}
+    assert {n.domain for n in nodes if n.op_type == "LoraSGMV"} == {"ort_lora"}
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert inputs["key_cache.0"] == ELEM[dtype] and inputs["value_cache.1"] == ELEM[dtype]
+    assert inputs["lora_q_proj_scales"] == TensorProto.FLOAT
+    assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    inits = {t.name: t for t in model.graph.initializer}
+    assert inits["cos_cache"].data_type == ELEM[dtype]
+    weights = load_file(str(tiny_llama_checkpoint / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    got = numpy_helper.to_array(inits[name]).astype(np.float32)  # [in, out]: transposed
+    np.testing.assert_allclose(got, weights[name].T, rtol=RTOL[dtype], atol=1e-6)
+    manifest = (out / "ort_lora_manifest.json").read_text()
+    assert f'"dtype": "{dtype}"' in manifest and '"device": "cuda"' in manifest
