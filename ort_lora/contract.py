@@ -10,7 +10,9 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments):
   past_seqlens               int32 [B]
   block_table                int32 [B, max_blocks]
   slot_mapping               int32 [T]
-  logits_indices             int64 [B]      rows of T whose logits are returned
+  logits_indices             int64 [N]      rows of T whose logits are returned (any N rows:
+                                            usually each sequence's last, all prompt rows
+                                            for prompt_logprobs)
   key_cache.{l}, value_cache.{l}  [num_pages, block_size, kv_heads, head_dim]  pool views
   lora_seg_starts            int32 [S + 1]  token segments, ordered by adapter slot
   lora_seg_slots             int32 [S]      slot of each segment, -1 = base model only
@@ -19,7 +21,7 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments):
   lora_{m}_ranks             int32 [num_layers, num_slots]
   lora_{m}_scales            float [num_layers, num_slots]
 Output:
-  logits                     float [B, vocab]
+  logits                     float32 [N, vocab]
 
 LoRA weight placement (what LoraSGMV reads): in layer l, the pool share of that layer is
 seen as one flat array, key_cache.{l} followed by value_cache.{l}. Row j of A (length in_m)
