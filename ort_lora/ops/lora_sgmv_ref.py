@@ -74,6 +74,13 @@ def lora_sgmv(
     return y_out.astype(np.float32)
 
 
+def _aligned_full(n: int, value: float, align: int = 64) -> np.ndarray:
+    """float32 [n] filled with value, starting on an `align`-byte boundary."""
+    buf = np.full(n + align // 4, value, dtype=np.float32)
+    skip = (-buf.ctypes.data % align) // 4
+    return buf[skip : skip + n]
+
+
 @dataclass
 class PlacedAdapters:
     """Random adapters laid out in one layer's pool share (what LoraSGMV reads)."""
@@ -97,7 +104,9 @@ def place_random_adapters(
     Rows go in shuffled order, each after a random gap of 0..max_gap elements (so rows start
     unaligned), filling key_cache and then value_cache; no row crosses from K into V. The rows
     hold random normal values scaled so that outputs are O(1); every other pool element is NaN,
-    so a kernel that reads outside the rows it was given produces NaN.
+    so a kernel that reads outside the rows it was given produces NaN. The pool starts on a
+    64-byte boundary (numpy alone gives 16), so max_gap=0 with row lengths that are multiples
+    of 16 gives cache-line-aligned rows.
     page_shape is (block_size, kv_heads, head_dim).
     """
     if min(slot_ranks, default=0) < 0:
@@ -109,7 +118,7 @@ def place_random_adapters(
     needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
     num_pages = max(1, -(-needed // (2 * page_elems)) + 1)
     half = num_pages * page_elems
-    region = np.full(2 * half, np.nan, dtype=np.float32)
+    region = _aligned_full(2 * half, np.nan)  # 64-byte aligned, as ORT allocates tensors
     max_rank = max(slot_ranks, default=0)
     offsets = {kind: np.full((len(slot_ranks), max_rank), -1, np.int64) for kind in "ab"}
     cursor = 0
