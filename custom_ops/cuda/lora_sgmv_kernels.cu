@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(kThreads) ExpandTiles(SgmvArgs a) {
     for (int r = 0; r < kTileRows; ++r) acc[r] += vs[r][j] * b;
   }
   T* y = static_cast<T*>(a.y_out);
-  for (int r = 0; r < tile.num_rows; ++r) {
+#pragma unroll  // constant indices keep acc in registers
+  for (int r = 0; r < kTileRows; ++r) {
+    if (r >= tile.num_rows) break;
     T& out = y[static_cast<int64_t>(tile.row_begin + r) * a.out_features + o];
     out = FromFloat<T>(ToFloat(out) + tile.scale * acc[r]);
   }

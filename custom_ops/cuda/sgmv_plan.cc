@@ -120,9 +120,10 @@ SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in) {
 namespace {
 
 // A small ring of pinned host buffers for plan uploads. A slot is reused only after the event
-// recorded behind its last copy has completed (normally long ago: the ring holds 8 slots).
-// Created lazily on the first launch, never at load; intentionally never freed (process
-// lifetime, like ORT's own op objects). One CUDA device per process is assumed.
+// recorded behind its last copy has completed (the ring holds 64 slots, so the host may run up to
+// 64 LoraSGMV nodes ahead of the GPU). Created lazily on the first launch, never at load;
+// intentionally never freed (process lifetime, like ORT's own op objects). One CUDA device per
+// process is assumed.
 class PinnedRing {
  public:
   cudaError_t Upload(const std::vector<uint8_t>& bytes, void* dst, cudaStream_t stream) {
@@ -136,7 +137,7 @@ class PinnedRing {
     }
     if (slot.capacity < bytes.size()) {
       if (slot.host != nullptr) cudaFreeHost(slot.host);
-      slot.capacity = std::max<size_t>(AlignUp(bytes.size(), 4096), 64 << 10);
+      slot.capacity = std::max<size_t>(AlignUp(bytes.size(), 4096), 16 << 10);
       if (cudaError_t e = cudaHostAlloc(&slot.host, slot.capacity, cudaHostAllocDefault);
           e != cudaSuccess) {
         slot.host = nullptr, slot.capacity = 0;
@@ -152,7 +153,7 @@ class PinnedRing {
   }
 
  private:
-  static constexpr int kSlots = 8;
+  static constexpr int kSlots = 64;
   struct Slot {
     void* host = nullptr;
     size_t capacity = 0;
