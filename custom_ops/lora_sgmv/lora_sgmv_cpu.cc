@@ -114,6 +114,8 @@ struct Plan {
   std::vector<float> v;         // shrink results of every segment
   std::vector<Item> shrink;
   std::vector<Item> expand;
+  int64_t shrink_cost = 0;  // multiply-adds of each pass
+  int64_t expand_cost = 0;
 };
 
 // Rows [0, n) x A rows [j0, j1) over columns [k0, k1): A rows outer, x rows inner, so a group
@@ -236,6 +238,7 @@ Kernels SelectKernels() {
 constexpr int64_t kItemsPerPass = 64;      // enough items to balance any sane thread count
 constexpr int64_t kMinItemCost = 1 << 15;  // below this, dispatch overhead dominates
 constexpr int64_t kCopyItemFloats = 1 << 16;
+constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -264,6 +267,7 @@ void PlanShrink(Plan& plan) {
   int64_t total = 0;
   for (const SgmvSegment& s : p.segments)
     total += (s.row_end - s.row_begin) * s.rank * p.in_features;
+  plan.shrink_cost = total;
   const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
   for (size_t i = 0; i < p.segments.size(); ++i) {
     const SgmvSegment& s = p.segments[i];
@@ -283,6 +287,7 @@ void PlanExpand(Plan& plan) {
   }
   std::sort(order.begin(), order.end(),
             [](const SgmvSegment* a, const SgmvSegment* b) { return a->row_begin < b->row_begin; });
+  plan.expand_cost = total + p.num_rows * out;  // + the copy of rows without an adapter
   const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
   const int64_t copy_rows = std::max<int64_t>(1, kCopyItemFloats / std::max<int64_t>(out, 1));
   int64_t row = 0;
@@ -310,6 +315,18 @@ void RunItem(void* data, size_t i) {
   d->fn(*d->plan, i);
 }
 
+// Runs every item of a pass: inline when it is too small to be worth waking the thread pool
+// (on a busy machine a woken thread can be descheduled mid-item and stall the whole call).
+void RunPass(Plan& plan, ItemFn fn, size_t items, int64_t cost, ParallelForFn parallel_for,
+             void* runner) {
+  PassData data{&plan, fn};
+  if (items <= 1 || cost < kSerialCost) {
+    for (size_t i = 0; i < items; ++i) fn(plan, i);
+  } else {
+    parallel_for(runner, RunItem, items, &data);
+  }
+}
+
 }  // namespace
 
 void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner) {
@@ -324,10 +341,8 @@ void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* r
   plan.v.resize(v_size);
   PlanShrink(plan);
   PlanExpand(plan);
-  PassData shrink{&plan, kernels.shrink};
-  if (!plan.shrink.empty()) parallel_for(runner, RunItem, plan.shrink.size(), &shrink);
-  PassData expand{&plan, kernels.expand};
-  if (!plan.expand.empty()) parallel_for(runner, RunItem, plan.expand.size(), &expand);
+  RunPass(plan, kernels.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);
+  RunPass(plan, kernels.expand, plan.expand.size(), plan.expand_cost, parallel_for, runner);
 }
 
 }  // namespace ort_lora
