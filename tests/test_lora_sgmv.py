@@ -33,11 +33,15 @@ INPUTS = [
 RTOL = 1e-5  # float32
 
 
-def make_session(layer: int, input_types: dict[str, int] | None = None) -> ort.InferenceSession:
-    """A one-node LoraSGMV model; input_types overrides declared input element types."""
+def make_session(
+    layer: int, input_types: dict[str, int] | None = None, shapeless: bool = False
+) -> ort.InferenceSession:
+    """A one-node LoraSGMV model; input_types overrides declared input element types;
+    shapeless declares no input ranks (so the op itself, not ORT, checks them)."""
     types = {name: t for name, t, _ in INPUTS} | (input_types or {})
     graph_inputs = [
-        helper.make_tensor_value_info(name, types[name], [None] * rank) for name, _, rank in INPUTS
+        helper.make_tensor_value_info(name, types[name], None if shapeless else [None] * rank)
+        for name, _, rank in INPUTS
     ]
     node = helper.make_node(
         "LoraSGMV", [n for n, _, _ in INPUTS], ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=layer
@@ -196,11 +200,15 @@ def valid_feeds():
     return make_case(600, [3, 2, 4], [0, -1, 1], [4, 4])
 
 
-def test_bad_input_rank():
+@pytest.mark.parametrize("name", ["y", "x", "key_cache", "seg_slots", "a_offsets", "scales"])
+def test_bad_input_rank(name):
     feeds = valid_feeds()
-    feeds["x"] = feeds["x"][:, :, None]
-    with pytest.raises(Exception, match="x"):
-        session().run(None, feeds)  # ORT checks declared ranks: a 3-d x is refused by name
+    feeds[name] = feeds[name][..., None]
+    expected = {n: r for n, _, r in INPUTS}[name]
+    with pytest.raises(Exception, match=f"input '{name}' must have rank {expected}, got shape"):
+        make_session(0, shapeless=True).run(None, feeds)  # the op's own check
+    with pytest.raises(Exception, match=f"Invalid rank for input: {name}"):
+        session().run(None, feeds)  # declared ranks: ORT refuses first
 
 
 @pytest.mark.parametrize("name", ["x", "seg_starts", "a_offsets", "scales"])
@@ -239,6 +247,7 @@ def test_bad_input_dtype(name):
         (lambda f: f.update(value_cache=f["value_cache"][:-1]), "input 'value_cache' dim 0"),
         (lambda f: f.update(scales=f["scales"][:, :1]), "input 'scales' dim 1"),
         (lambda f: f.update(b_offsets=f["b_offsets"][:, :2]), "input 'b_offsets' dim 1"),
+        (lambda f: f.update(ranks=f["ranks"][:, :1]), r"input 'ranks' dim 1 must be 2 \(num_slots"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
