@@ -111,10 +111,10 @@ def step_overhead(model_dir: Path, steps: int = 20) -> dict:
 
     session = ModelSession(model_dir, num_pages=4)
     prompt = list(range(10, 26))
-    session.step([SequenceStep(prompt, 0, [0, 1])])
+    session.step([SequenceStep(prompt, 0, [0, 1, 2])])
     overhead, run = [], []
     for past in range(len(prompt), len(prompt) + steps):
-        session.step([SequenceStep([past], past, [0, 1])])
+        session.step([SequenceStep([past], past, [0, 1, 2])])
         overhead.append(session.timing.overhead_s)
         run.append(session.timing.run_s)
     return {
