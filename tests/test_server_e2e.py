@@ -191,8 +191,9 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, oracle)
     resident = {k[1]: v for k, v in loaded.items() if k[0] == "ort_lora:lora_resident"}
     assert sum(v for labels, v in resident.items() if ("lora_name", "late") in labels) == 1
     prompt = [9, 8, 7, 6, 5]
+    long = engine.max_model_len - len(prompt)  # long enough to still run while we look
     stream = client.completions.create(
-        model="late", prompt=prompt, stream=True, **greedy(max_tokens=60)
+        model="late", prompt=prompt, stream=True, **greedy(max_tokens=long)
     )
     chunks = iter(stream)
     text = next(chunks).choices[0].text
@@ -200,17 +201,22 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, oracle)
     assert during[adapter_pages] > before.get(adapter_pages, 0)
     assert during[free] < before[free]
     assert during[("ort_lora:num_requests_running", ())] >= 1
+    late = (("lora_name", "late"),)
+    assert during[("ort_lora:lora_loads_total", late)] >= 1
+    assert during[("ort_lora:lora_misses_total", late)] >= 1
+    assert during[("ort_lora:lora_resident", (("location", "device"), *late))] == 1
+    assert loaded[("ort_lora:lora_loads_total", late)] == 0
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
     text += "".join(c.choices[0].text for c in chunks)
     # "late" is a copy of "qv4": the stream finished with the adapter it started with.
-    with_qv4 = client.completions.create(model="qv4", prompt=prompt, **greedy(max_tokens=60))
+    with_qv4 = client.completions.create(model="qv4", prompt=prompt, **greedy(max_tokens=long))
     assert text == with_qv4.choices[0].text
     with pytest.raises(openai.NotFoundError, match="late"):
         client.completions.create(model="late", prompt=prompt, **greedy())
     after = _metrics(url)
     gen = ("ort_lora:generation_tokens_total", (("model_name", "late"),))
-    assert after[gen] == 60
+    assert after[gen] == long
 
 
 def test_disconnect_frees_pages(server):

@@ -148,6 +148,7 @@ def test_malformed_json_400(server):
         (chat(messages=[{"role": "wizard", "content": "x"}]), None),
         (chat(top_logprobs=50, logprobs=True), "top_logprobs"),
         (chat(max_completion_tokens=-1), "max_completion_tokens"),
+        (chat(top_logprobs=2), None),
         ({"model": "fake-base"}, "messages"),
     ],
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ort_lora.sampling_params import SamplingParams
 
@@ -131,6 +131,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,97 @@
+"""The default model behind the server: SmolLM2-135M-Instruct (conftest's `smollm2_export`)
+with the bundled demo adapters, over the official `openai` client.
+
+A mixed stream of 24 concurrent chat requests over all demo adapters: every adapter's task
+succeeds (ort_lora.demo.tasks checker) at the same rate as when its requests are served alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from ort_lora.lora_request import LoRARequest
+from ort_lora.server import create_app
+from ort_lora.server.default_model import demo_adapters
+from ort_lora.server.testing import ServerThread
+
+pytestmark = pytest.mark.slow
+NUM_REQUESTS = 24
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def adapters() -> dict:
+    found = demo_adapters()
+    assert found, "no demo adapters committed under ort_lora/demo/adapters"
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_export, adapters):
+    from ort_lora.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_model_dir(smollm2_export, max_loras=len(adapters), max_num_seqs=32)
+    for i, (name, path) in enumerate(adapters.items(), start=1):
+        engine.add_lora(LoRARequest(name, i, str(path)))
+    with ServerThread(create_app(engine)) as url:
+        yield url, engine
+
+
+def _jobs(adapters) -> list[tuple[str, str]]:
+    """(adapter, prompt) round-robin over the adapters, eval prompts of each task."""
+    from ort_lora.demo.tasks import TASKS
+
+    names = sorted(adapters)
+    per = -(-NUM_REQUESTS // len(names))
+    prompts = {n: TASKS[n].make_prompts(per, seed=0, split="eval") for n in names}
+    return [(names[i % len(names)], prompts[names[i % len(names)]][i // len(names)])
+            for i in range(NUM_REQUESTS)]  # fmt: skip
+
+
+async def _chat(client, model: str, prompt: str) -> str:
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+async def _run(url: str, jobs, concurrent: bool) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    if concurrent:
+        return list(await asyncio.gather(*(_chat(client, m, p) for m, p in jobs)))
+    return [await _chat(client, m, p) for m, p in jobs]
+
+
+def test_models_list_demo_adapters(server, adapters):
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(adapters) <= set(cards)
+    assert all(cards[a].parent == server[1].model_name for a in adapters)
+
+
+def test_mixed_24_concurrent_same_success_as_alone(server, adapters):
+    from ort_lora.demo.tasks import TASKS
+
+    url = server[0]
+    jobs = _jobs(adapters)
+    mixed = asyncio.run(_run(url, jobs, concurrent=True))
+    report = []
+    for name in sorted(adapters):
+        mine = [(i, p) for i, (m, p) in enumerate(jobs) if m == name]
+        alone = asyncio.run(_run(url, [(name, p) for _, p in mine], concurrent=True))
+        ok_alone = sum(TASKS[name].check(p, a) for (_, p), a in zip(mine, alone, strict=True))
+        ok_mixed = sum(TASKS[name].check(p, mixed[i]) for i, p in mine)
+        same = sum(mixed[i] == a for (i, _), a in zip(mine, alone, strict=True))
+        report.append(f"{name}: alone {ok_alone}/{len(mine)} mixed {ok_mixed}/{len(mine)} "
+                      f"identical texts {same}/{len(mine)}")  # fmt: skip
+        assert ok_mixed == ok_alone, report
+        # Greedy decoding: batching with other adapters changes (almost) nothing.
+        assert same >= len(mine) - 1, report
+    print("\n".join(report))
