@@ -166,7 +166,7 @@ ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0
     ExpandScalar(v + i * r, s.bt_rows, r, c, c1, y + i * ldy, y_out + i * ldy);
 }
 
-// Bytes of B^T rows kept hot while the rows of y stream by (a share of L2).
+// Bytes of B^T rows kept hot while the rows of y stream by (most of a 48 KiB L1).
 constexpr int64_t kExpandPanelBytes = 32 << 10;
 
 template <typename V>
@@ -185,7 +185,7 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   const SgmvSegment& s = p.segments[it.seg];
   const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
   // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
-  // sized to stay in L2, is reused by every row.
+  // sized to stay in L1, is reused by every row of the item.
   const int64_t panel_cols = kExpandPanelBytes / (4 * s.rank);
   const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
   for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
