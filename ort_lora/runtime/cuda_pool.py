@@ -264,6 +264,10 @@ class CudaPool:
     pool.compute_stream is the stream to give the CUDA EP (`user_compute_stream`);
     pool.load(adapter_id, pages, write) stages and uploads an adapter; pool.wait_for(ids)
     makes the compute stream wait for those adapters' uploads.
+    Invariant: a load's pages are not given to anything else (KV, another adapter) before its
+    event fired. The engine keeps it because it loads only adapters of the step it runs next,
+    and that step waits for them; a prefetch of adapters not yet scheduled must wait_for them
+    (or synchronize) before their pages can be freed.
     """
 
     def __init__(self, manifest: C.ModelManifest, num_pages: int, runtime: CudaRuntime):
