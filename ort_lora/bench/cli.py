@@ -14,7 +14,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,19 +82,22 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     return built
 
 
-def run_one(spec, timeout: float, log: Path) -> dict:
-    """Run one spec in a fresh worker process; its result row (an error row on failure)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.save(spec_path)
-        cmd = [sys.executable, "-m", "ort_lora.bench.worker", str(spec_path), str(out_path)]
-        with log.open("a") as f:
-            f.write(f"\n=== {spec.experiment} / {spec.label}\n")
-            f.flush()
-            with contextlib.suppress(subprocess.TimeoutExpired):  # -> the error row below
-                subprocess.run(cmd, stdout=f, stderr=f, timeout=timeout, check=False)
-        if out_path.is_file():
-            return json.loads(out_path.read_text())
+def run_one(spec, timeout: float, log: Path, spec_path: Path) -> dict:
+    """Run one spec in a fresh worker process; its result row (an error row on failure).
+
+    The spec stays in `spec_path`, so one run can be repeated or profiled alone:
+    `py-spy record --native -- python -m ort_lora.bench.worker SPEC.json OUT.json`."""
+    spec.save(spec_path)
+    out_path = spec_path.with_suffix(".out.json")
+    out_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "ort_lora.bench.worker", str(spec_path), str(out_path)]
+    with log.open("a") as f:
+        f.write(f"\n=== {spec.experiment} / {spec.label}\n")
+        f.flush()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # -> the error row below
+            subprocess.run(cmd, stdout=f, stderr=f, timeout=timeout, check=False)
+    if out_path.is_file():
+        return json.loads(out_path.read_text())
     return {
         "label": spec.label,
         "system": spec.system,
@@ -119,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
+    load_start = os.getloadavg()
     built = build_assets(args, systems, notes)
     runs = plan.experiments(built["scale"], built["vocab_size"], set(systems), args.seed)
     runs = [r for r in runs if r["experiment"].split("/")[0] in experiments]
     results = _measure(runs, built, args, out / "bench.log")
     meta = _meta(args, argv, built, notes)
+    meta["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
     write_outputs(out, results, meta, list(built["scale"].shapes))
     print(f"ort-lora bench: {len(results)} runs -> {out}/results.json, report.md, *.png")
     return 0 if all("error" not in r for r in results) else 1
@@ -132,15 +136,23 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
     from tqdm import tqdm
 
-    results = []
+    results, done = [], {}  # (system, workload, options) -> row: identical runs run once
+    specs = log.parent / "specs"
+    specs.mkdir(exist_ok=True)
     bar = tqdm(runs, desc="bench", unit="run")
-    for run in bar:
+    for i, run in enumerate(bar):
         bar.set_postfix_str(f"{run['experiment']}: {run['label']}")
         adapters = built["adapters"]
         if run["experiment"] == "registered":
             adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
         spec = plan.to_spec(run, built["models"], adapters, built["genai_adapters"], args.threads)
-        results.append(run_one(spec, args.timeout, log))
+        key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])
+        if key in done:
+            results.append({**done[key], "label": spec.label, "experiment": spec.experiment})
+            continue
+        name = f"{i:02d}-{run['label'].replace(' ', '_').replace('/', '_')}.json"
+        done[key] = run_one(spec, args.timeout, log, specs / name)
+        results.append(done[key])
     return results
 
 

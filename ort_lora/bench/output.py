@@ -1,9 +1,11 @@
 """Write one bench run: results.json (schema below), report.md and the PNG plots.
 
 results.json = {"schema": 1, "meta": {command, date, machine, cpu, ...},
-                "results": [row, ...], "targets": [{"what", "measured", "goal"}, ...]}
+                "results": [row, ...],
+                "targets": [{"what", "measured", "measured_cpu", "goal"}, ...]}
 row = {label, system, experiment, workload, num_requests, num_adapters, duration_s,
-       output_tokens, output_tok_s, requests_s, ttft_p{50,90,99}_ms, itl_p{50,90,99}_ms,
+       output_tokens, output_tok_s, requests_s, cpu_s (CPU seconds of the system while
+       measured), output_tok_per_cpu_s, ttft_p{50,90,99}_ms, itl_p{50,90,99}_ms,
        peak_rss_mb, extra}  or  {label, system, experiment, workload, ..., error}
 """
 
@@ -23,6 +25,8 @@ ROW_KEYS = (
     "num_adapters",
     "output_tok_s",
     "requests_s",
+    "cpu_s",
+    "output_tok_per_cpu_s",
     "ttft_p50_ms",
     "ttft_p90_ms",
     "ttft_p99_ms",
@@ -40,7 +44,9 @@ def write_outputs(out: Path, results: list[dict], meta: dict, shapes: list[str])
         "schema": SCHEMA,
         "meta": meta,
         "results": results,
-        "targets": [{"what": w, "measured": v, "goal": g} for w, v, g in checks],
+        "targets": [
+            {"what": w, "measured": v, "measured_cpu": c, "goal": g} for w, v, c, g in checks
+        ],
     }
     paths = [out / "results.json", out / "report.md"]
     paths[0].write_text(json.dumps(doc, indent=1))
@@ -71,6 +77,11 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
     return pngs
 
 
+def _load(meta: dict, when: str) -> str:
+    load = meta.get("loadavg_1_5_15", {}).get(when)
+    return "-" if load is None else " ".join(f"{x:.1f}" for x in load)
+
+
 def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
     """report.md: the command, the machine, the target checks, one table per experiment."""
     meta, results = doc["meta"], doc["results"]
@@ -80,11 +91,12 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}  ",
         f"Machine: {meta['cpu']} ({meta['machine']}), "
-        f"{meta['threads']} intra-op threads per runtime",
+        f"{meta['threads']} intra-op threads per runtime  ",
+        f"Load average (1/5/15 min) at start / end: {_load(meta, 'start')} / {_load(meta, 'end')}",
         "",
     ]
     lines += [f"- {n}" for n in meta.get("notes", [])]
-    checks = [(t["what"], t["measured"], t["goal"]) for t in doc["targets"]]
+    checks = [(t["what"], t["measured"], t["measured_cpu"], t["goal"]) for t in doc["targets"]]
     lines += ["", "## Targets", "", report.targets_table(checks), ""]
     experiments = [f"systems/{s}" for s in shapes] + [
         "popularity",

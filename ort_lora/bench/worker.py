@@ -28,6 +28,9 @@ def run_spec(spec: RunSpec) -> dict:
     times, extra = runner.run(spec, workload)
     row = summarize(times, workload.output_tokens)
     row["peak_rss_mb"] = extra.pop("server_peak_rss_mb", None) or peak_rss_mb()
+    # CPU seconds of the system during the measured part: robust to other jobs on the machine
+    row["cpu_s"] = extra.pop("cpu_s")
+    row["output_tok_per_cpu_s"] = row["output_tokens"] / row["cpu_s"]
     row["extra"] = extra
     return row
 

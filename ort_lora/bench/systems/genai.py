@@ -37,7 +37,10 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
             raise ValueError("system 'genai' serves the base model; use 'genai-multilora'")
         model = load_model(spec.models["genai_base"], spec.threads)
         _generate(model, workload.requests[:2])  # warm up
-        return _as_times(workload.requests, _generate(model, workload.requests), 0.0), {}
+        cpu0 = time.process_time()
+        stamps = _generate(model, workload.requests)
+        extra = {"cpu_s": time.process_time() - cpu0}
+        return _as_times(workload.requests, stamps, 0.0), extra
     return _run_grouped(spec, workload)
 
 
@@ -54,14 +57,14 @@ def _run_grouped(spec: RunSpec, workload: Workload):
     first = next(iter(groups))
     _generate(model, workload.requests[:2], adapters, None if first < 0 else f"a{first}")
     times: list[RequestTimes | None] = [None] * len(workload.requests)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for a, idx in sorted(groups.items()):
         start = time.perf_counter() - t0
         reqs = [workload.requests[i] for i in idx]
         stamps = _generate(model, reqs, adapters, None if a < 0 else f"a{a}")
         for i, t in zip(idx, _as_times(reqs, stamps, start)):
             times[i] = t
-    return times, {"groups": len(groups)}
+    return times, {"cpu_s": time.process_time() - cpu0, "groups": len(groups)}
 
 
 def _generate(model, requests: list[BenchRequest], adapters=None, name=None) -> list[float]:

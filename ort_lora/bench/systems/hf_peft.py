@@ -34,8 +34,10 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         )
     model = load_model(spec, workload)
     _generate(model, workload.requests[:2], workload.num_adapters > 0)  # warm up
+    cpu0 = time.process_time()
     stamps = _generate(model, workload.requests, workload.num_adapters > 0)
-    return [RequestTimes(0.0, stamps[: r.max_tokens]) for r in workload.requests], {}
+    extra = {"cpu_s": time.process_time() - cpu0}
+    return [RequestTimes(0.0, stamps[: r.max_tokens]) for r in workload.requests], extra
 
 
 def _generate(model, requests, mixed: bool) -> list[float]:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from ort_lora.bench.metrics import RequestTimes, peak_rss_mb
 from ort_lora.bench.spec import RunSpec
@@ -49,6 +50,14 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> N
     raise TimeoutError(f"ort-lora serve did not answer {url}/health within {timeout_s}s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads), from /proc."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -57,8 +66,10 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         _wait_healthy(proc, url)
         warm = BenchRequest((100, 101, 102, 103), 2, None)
         asyncio.run(_send_all(url, [warm]))
+        cpu0 = cpu_seconds(proc.pid)
         times = asyncio.run(_send_all(url, list(workload.requests)))
-        return times, {"server_peak_rss_mb": peak_rss_mb(proc.pid)}
+        extra = {"cpu_s": cpu_seconds(proc.pid) - cpu0}
+        return times, {**extra, "server_peak_rss_mb": peak_rss_mb(proc.pid)}
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -42,8 +42,10 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         engine.add_lora(lora)
     register_s = time.perf_counter() - t0
     _warm_up(engine, loras[0] if loras else None)
+    cpu0 = time.process_time()
     times, steps = _drive(engine, workload, loras)
-    extra = {"register_s": register_s, **_step_stats(steps)}
+    extra = {"cpu_s": time.process_time() - cpu0, "register_s": register_s}
+    extra.update(_step_stats(steps))
     if spec.options.get("sgemm"):
         from ort_lora.bench.metrics import sgemm_gflops
 
