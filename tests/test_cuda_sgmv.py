@@ -7,6 +7,8 @@ CPU tests check that the library's CUDA helpers fail cleanly without one.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -59,7 +61,7 @@ def segments(layout: str, num_slots: int, rng) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("layout", ["distinct", "uniform", "skewed", "identical"])
 def test_kernel_matches_reference(dtype, ranks, layout):
     rt = runtime_or_skip(need_device=True)
-    rng = np.random.default_rng(hash((dtype, tuple(ranks), layout)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, ranks, layout)).encode()))
     in_f, out_f, layer = 200, 328, 1
     placed = place_random_adapters(rng, ranks, in_f, out_f)
     lengths, slots = segments(layout, len(ranks), rng)

@@ -112,7 +112,9 @@ class ModelSession:
     """An exported model loaded in ONNX Runtime (CPU), with its paged pool bound once.
 
     session.pool: numpy [num_layers, 2, num_pages, block_size, kv_heads, head_dim]; the
-    adapter registry writes adapter rows into it. session.run(inputs) -> logits [N, vocab].
+    adapter registry writes adapter rows into it (through load_adapter). With device="cuda"
+    the pool lives on the GPU (session.cuda_pool) and session.pool is None.
+    session.run(inputs) -> logits [N, vocab].
     """
 
     model_dir: str | Path
