@@ -53,6 +53,15 @@ class SequenceStep:
             raise ValueError(f"past_len must be >= 0, got {self.past_len}")
 
 
+def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
+    """Zeros whose first element is `alignment`-byte aligned (as ORT's allocator would give):
+    adapter rows in the pool then start on cache-line boundaries for the SGMV kernel."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def build_step_inputs(manifest: C.ModelManifest, seqs: list[SequenceStep]) -> dict:
     """The metadata inputs of one step for `seqs`, with LoRA disabled (one segment, slot -1).
 
@@ -170,7 +179,7 @@ class ModelSession:
             bind_cuda_pool(self.binding, self.cuda_pool)
             return
         shape = (m.num_layers, 2, self.num_pages, m.block_size, m.num_kv_heads, m.head_dim)
-        self.pool = np.zeros(shape, dtype=POOL_DTYPES[m.dtype])  # allocated once, never copied
+        self.pool = aligned_zeros(shape, POOL_DTYPES[m.dtype])  # allocated once, never copied
         self.binding = self.ort_session.io_binding()
         self._pool_values = []  # keep the OrtValues (and so the views) alive
         for layer in range(m.num_layers):
