@@ -183,6 +183,9 @@ VARIANTS = {
     "partial_rotary_interleaved": dict(do_rotary=1, rotary_interleaved=1, rotary_half=10),
     "slot_mapping": dict(slot_mapping=True),
     "block_size_5": dict(block_size=5, local_window_size=11, do_rotary=1),
+    "block_size_32": dict(block_size=32, do_rotary=1, rotary_interleaved=1),
+    "head_size_40": dict(head_size=40, do_rotary=1, rotary_half=20),  # not a multiple of 16
+    "head_size_72": dict(head_size=72, block_size=32, local_window_size=20),
 }
 
 
@@ -190,10 +193,11 @@ VARIANTS = {
 def test_variants(variant):
     rng = np.random.default_rng()
     attrs = dict(VARIANTS[variant])
-    case = {k: attrs.pop(k) for k in ("rotary_half", "slot_mapping", "block_size") if k in attrs}
+    case_keys = ("rotary_half", "slot_mapping", "block_size", "head_size")
+    case = {"head_size": 64} | {k: attrs.pop(k) for k in case_keys if k in attrs}
     if attrs.get("do_rotary"):
         case.setdefault("rotary_half", 32)
-    inputs = make_case(rng, MIXED, 6, 2, 64, **case)
+    inputs = make_case(rng, MIXED, 6, 2, **case)
     check_against_reference(inputs, num_heads=6, kv_num_heads=2, **attrs)
 
 

@@ -1,0 +1,154 @@
+// Vectorized micro-kernels of the PagedAttention CPU kernel: dot products, scores of a tile of
+// keys, exp, and the weighted sum of value rows. Plain C++ and GCC vector types, compiled into
+// every ISA clone of the function that inlines them (see ORT_LORA_CLONES).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// Hot loops are plain C++ the compiler vectorizes; cloned for AVX-512 and AVX2+FMA and chosen
+// at run time by the loader (GCC function multiversioning). Helpers must be always_inline: GCC
+// does not inline a function of the default arch into a clone otherwise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ORT_LORA_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define ORT_LORA_INLINE inline __attribute__((always_inline))
+#else
+#define ORT_LORA_CLONES
+#define ORT_LORA_INLINE inline
+#endif
+
+namespace ort_lora {
+namespace attention_math {
+
+// GCC vector types: one AVX-512 register in the x86-64-v4 clone, split into narrower ones
+// in the others. Used where plain loops vectorize badly (horizontal sums).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // the vector helpers are always inlined: no ABI
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+ORT_LORA_INLINE V16 Load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+ORT_LORA_INLINE float HorizontalSum(const V16& v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+ORT_LORA_INLINE float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  V16 r = {}, r2 = {};  // two FMA chains
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    r += Load16(a + i) * Load16(b + i);
+    r2 += Load16(a + i + 16) * Load16(b + i + 16);
+  }
+  for (; i + 16 <= n; i += 16) r += Load16(a + i) * Load16(b + i);
+  float sum = HorizontalSum(r + r2);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Sixteen row sums at once: out[j] is the sum of the lanes of r[j]. A transpose
+// tree (15 adds for 16 rows) instead of a horizontal sum per row.
+ORT_LORA_INLINE void TransposeSum(const V16* r, float* out) {
+  V16 a[8], b[4], c[2];
+  for (int t = 0; t < 8; ++t)
+    a[t] = __builtin_shufflevector(r[2 * t], r[2 * t + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(r[2 * t], r[2 * t + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                   27, 28, 29, 30, 31);
+  for (int t = 0; t < 4; ++t)
+    b[t] = __builtin_shufflevector(a[2 * t], a[2 * t + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                   24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * t], a[2 * t + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int t = 0; t < 2; ++t)
+    c[t] = __builtin_shufflevector(b[2 * t], b[2 * t + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
+                                   24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * t], b[2 * t + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  const V16 sums = __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                           24, 26, 28, 30) +
+                   __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                           25, 27, 29, 31);
+  std::memcpy(out, &sums, sizeof(sums));
+}
+
+// s[j] = q . k[j * stride + :d] for j < n: sixteen keys at a time (sixteen independent FMA
+// chains sharing each load of q), the rest one by one.
+ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t stride,
+                            int64_t d, int64_t n, float* __restrict s) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    V16 r[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      const V16 qv = Load16(q + i);
+      for (int c = 0; c < 16; ++c) r[c] += qv * Load16(k + (j + c) * stride + i);
+    }
+    TransposeSum(r, s + j);
+    for (; i < d; ++i)
+      for (int c = 0; c < 16; ++c) s[j + c] += q[i] * k[(j + c) * stride + i];
+  }
+  for (; j < n; ++j) s[j] = Dot(q, k + j * stride, d);
+}
+
+// x[i] = exp(x[i]) for x[i] <= 0 (Cephes expf polynomial, ~1 ulp; vectorizable).
+ORT_LORA_INLINE void ExpInPlace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.0f);
+    const float fn = (v * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof(float));
+    x[i] = y * two_n;
+  }
+}
+
+// acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D]
+ORT_LORA_INLINE void AccumulateValues(float* __restrict acc, const float* __restrict v,
+                                      const float* __restrict p, int64_t n, int64_t stride,
+                                      int64_t d, float alpha) {
+  int64_t i = 0;
+  for (; i + 64 <= d; i += 64) {  // 64 accumulators: four AVX-512 FMA chains
+    float r[64];
+    for (int k = 0; k < 64; ++k) r[k] = acc[i + k] * alpha;
+    for (int64_t j = 0; j < n; ++j)
+      for (int k = 0; k < 64; ++k) r[k] += p[j] * v[j * stride + i + k];
+    for (int k = 0; k < 64; ++k) acc[i + k] = r[k];
+  }
+  for (; i + 16 <= d; i += 16) {
+    float r[16];
+    for (int k = 0; k < 16; ++k) r[k] = acc[i + k] * alpha;
+    for (int64_t j = 0; j < n; ++j)
+      for (int k = 0; k < 16; ++k) r[k] += p[j] * v[j * stride + i + k];
+    for (int k = 0; k < 16; ++k) acc[i + k] = r[k];
+  }
+  for (; i < d; ++i) {
+    float r = acc[i] * alpha;
+    for (int64_t j = 0; j < n; ++j) r += p[j] * v[j * stride + i];
+    acc[i] = r;
+  }
+}
+
+#pragma GCC diagnostic pop
+
+}  // namespace attention_math
+}  // namespace ort_lora
