@@ -209,7 +209,26 @@ def test_chat_logprobs(client, server, hf_tok):
 
 
 def test_health(server):
+    url, engine, _ = server
     assert httpx.get(server[0] + "/health").status_code == 200
+    engine.error = RuntimeError("segfault in step")
+    try:
+        r = httpx.get(server[0] + "/health")
+        assert r.status_code == 503 and "segfault in step" in r.json()["error"]["message"]
+    finally:
+        engine.error = None
+
+
+def test_completion_several_prompts_streamed(client, hf_tok):
+    prompts = ["one", "two two", "three three three"]
+    stream = client.completions.create(model="fake-base", prompt=prompts, max_tokens=5, stream=True)
+    texts, finish = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    want = {i: expected_text(hf_tok, hf_tok.encode(p), 5) for i, p in enumerate(prompts)}
+    assert texts == want and finish == {0: "length", 1: "length", 2: "length"}
 
 
 def _metrics(url) -> dict:

@@ -62,6 +62,7 @@ class FakeEngine:
         self.prompts: list[list[int]] = []
         self.params = []
         self.started = self.stopped = False
+        self.error: BaseException | None = None  # set: the engine loop died
         self.counters = {"loads": 0}
 
     async def start(self):

@@ -143,6 +143,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine loop is alive; 503 once it stopped on an internal error."""
+        error = getattr(engine, "error", None)
+        if error is not None:
+            raise APIError(503, f"the engine stopped after an internal error: {error}")
         return Response(status_code=200)
 
     # Plain `def` routes run on worker threads: engine.stats() and list_loras() wait for the
