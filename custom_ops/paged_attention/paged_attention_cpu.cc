@@ -166,48 +166,69 @@ float* AccRow(const Problem& p, const WorkItem& w, int64_t r) {
   return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * d;
 }
 
-ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
+// Online-softmax state of an item's query rows (token * num_heads + head): running max,
+// running sum, and the accumulator rows (in the output, or in the partials of a split item).
+struct RowState {
+  std::vector<float> m, l;
+  std::vector<float*> acc;
+};
+
+RowState StartRows(const Problem& p, const WorkItem& w) {
+  const int64_t rows = (w.q_end - w.q_begin) * p.a.num_heads;
+  RowState s{std::vector<float>(rows, kNegInf), std::vector<float>(rows, 0.0f), {}};
+  for (int64_t r = 0; r < rows; ++r) {
+    s.acc.push_back(AccRow(p, w, r));
+    std::fill(s.acc[r], s.acc[r] + p.a.head_size, 0.0f);
+  }
+  return s;
+}
+
+// Normalizes the output rows, or stores (max, sum) in front of the partial rows.
+void FinishRows(const Problem& p, const WorkItem& w, RowState& s) {
+  for (size_t r = 0; r < s.acc.size(); ++r) {
+    if (w.partial >= 0) {
+      s.acc[r][-2] = s.m[r];
+      s.acc[r][-1] = s.l[r];
+    } else {
+      const float inv = 1.0f / s.l[r];
+      for (int64_t i = 0; i < p.a.head_size; ++i) s.acc[r][i] *= inv;
+    }
+  }
+}
+
+// Every query row of item w against the keys of `run` (positions [j, j + run.count)), each
+// token within its causal / window range; prefetches `next` meanwhile.
+ORT_LORA_INLINE void AttendRun(const Problem& p, const WorkItem& w, int64_t j, const KeyRun& run,
+                               const KeyRun& next, RowState& s) {
   const auto& a = p.a;
-  const int64_t d = a.head_size, rows = (w.q_end - w.q_begin) * a.num_heads;
-  std::vector<float> m(rows, kNegInf), l(rows, 0.0f);
-  std::vector<float*> acc(rows);
-  for (int64_t r = 0; r < rows; ++r) acc[r] = AccRow(p, w, r);
-  for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + d, 0.0f);
-  const int64_t past = a.past_seqlens[w.seq];
+  const int64_t d = a.head_size, parts = (w.q_end - w.q_begin) * a.num_heads;
+  for (int64_t t = w.q_begin; t < w.q_end; ++t) {
+    const int64_t pos = a.past_seqlens[w.seq] + t;
+    const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
+    const int64_t hi = std::min(j + run.count, pos + 1);
+    const int64_t r0 = (t - w.q_begin) * a.num_heads;
+    const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
+    for (int64_t h = 0; h < a.num_heads; ++h) {
+      PrefetchRun(next, p.row_stride, r0 + h, parts);
+      if (lo >= hi) continue;
+      const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
+      AttendTile(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
+                 s.m[r0 + h], s.l[r0 + h], s.acc[r0 + h]);
+    }
+  }
+}
+
+ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
+  RowState s = StartRows(p, w);
   KeyRun next = NextRun(p, w, w.ctx_begin, w.ctx_end);
   PrefetchRun(next, p.row_stride, 0, 1);
   for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
     const KeyRun run = next;
     next = j + run.count < w.ctx_end ? NextRun(p, w, j + run.count, w.ctx_end) : KeyRun{};
-    const int64_t parts = (w.q_end - w.q_begin) * a.num_heads;
-    for (int64_t t = w.q_begin; t < w.q_end; ++t) {
-      const int64_t pos = past + t;
-      const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
-      const int64_t hi = std::min(j + run.count, pos + 1);
-      const int64_t r0 = (t - w.q_begin) * a.num_heads;
-      if (lo >= hi) {
-        for (int64_t h = 0; h < a.num_heads; ++h) PrefetchRun(next, p.row_stride, r0 + h, parts);
-        continue;
-      }
-      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
-      for (int64_t h = 0; h < a.num_heads; ++h) {
-        PrefetchRun(next, p.row_stride, r0 + h, parts);
-        const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
-        AttendTile(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
-                   m[r0 + h], l[r0 + h], acc[r0 + h]);
-      }
-    }
+    AttendRun(p, w, j, run, next, s);
     j += run.count;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if (w.partial >= 0) {
-      acc[r][-2] = m[r];
-      acc[r][-1] = l[r];
-    } else {
-      const float inv = 1.0f / l[r];
-      for (int64_t i = 0; i < d; ++i) acc[r][i] *= inv;
-    }
-  }
+  FinishRows(p, w, s);
 }
 
 // Combines the partial softmax rows of one split group into the output.
