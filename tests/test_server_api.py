@@ -295,3 +295,16 @@ def test_runtime_load_use_unload_while_streaming(server, client, hf_tok):
     assert text == expected_text(hf_tok, hf_tok.encode("during unload"), 40, 0, lora_id)
     with pytest.raises(openai.NotFoundError, match="delta"):
         client.completions.create(model="delta", prompt="gone", max_tokens=2)
+
+
+def test_unreadable_adapter_template_falls_back_to_model(server, client, hf_tok):
+    url, engine, root = server
+    make_adapter(root / "odd")
+    (root / "odd" / "tokenizer_config.json").write_text("{not json")
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "odd", "lora_path": "odd"})
+    assert r.status_code == 200, r.text
+    messages = [{"role": "user", "content": "hello"}]
+    client.chat.completions.create(model="odd", messages=messages, max_tokens=2)
+    prompt = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert engine.prompts[-1] == hf_tok.encode(prompt, add_special_tokens=False)
+    httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "odd"})

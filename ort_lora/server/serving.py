@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
 from ort_lora.tokenizer import ChatTemplateError, read_chat_template
 
 DISCONNECT_POLL_S = 0.25
+logger = logging.getLogger("ort_lora.server")
 
 
 @dataclass
@@ -76,7 +78,12 @@ class OpenAIServing:
         if lora is None:
             return None
         if lora.lora_path not in self._templates:
-            self._templates[lora.lora_path] = read_chat_template(Path(lora.lora_path))
+            try:
+                template = read_chat_template(Path(lora.lora_path))
+            except (OSError, ValueError) as exc:  # unreadable: the model's template serves
+                logger.warning("adapter %s: ignoring its chat template: %s", lora.lora_name, exc)
+                template = None
+            self._templates[lora.lora_path] = template
         return self._templates[lora.lora_path]
 
     def _check_ids(self, ids: list[int]) -> list[int]:
