@@ -145,3 +145,12 @@ def test_bad_extra_and_usage_errors(tiny_llama_checkpoint, tmp_path, capsys):
     assert rc == 1 and "KEY=VALUE" in text
     rc, text = _cli([str(tiny_llama_checkpoint)], capsys)  # OUTDIR missing: argparse usage
     assert rc == 2 and "usage" in text and "Traceback" not in text
+
+
+def test_inconsistent_config_is_named(tmp_path):
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", tiny_config("llama"), seed=4)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["num_key_value_heads"] = 3  # 4 query heads cannot share 3 KV heads
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="not a multiple of num_key_value_heads 3"):
+        export_model(ckpt, tmp_path / "out", block_size=8, progress=False)

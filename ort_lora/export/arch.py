@@ -108,10 +108,19 @@ def _int_list(value) -> list[int]:
 def arch_config(config: dict, generation_config: dict | None = None) -> ArchConfig:
     """Normalize a config dict (config.json keys) into an ArchConfig."""
     arch, family = resolve_architecture(config)
+    cfg = _arch_config(config, generation_config or {}, arch, family)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ExportError(
+            f"num_attention_heads {cfg.num_heads} is not a multiple of "
+            f"num_key_value_heads {cfg.num_kv_heads}"
+        )
+    return cfg
+
+
+def _arch_config(config: dict, gen: dict, arch: str, family: str) -> ArchConfig:
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         theta, scaling = _rope(config)
-        gen = generation_config or {}
         eos = _int_list(gen.get("eos_token_id")) or _int_list(config.get("eos_token_id"))
         window = config.get("sliding_window") if family == "mistral" else None
         return ArchConfig(
