@@ -9,8 +9,10 @@
 
 // Hot loops are plain C++ the compiler vectorizes; cloned for AVX-512 and AVX2+FMA and chosen
 // at run time by the loader (GCC function multiversioning). Helpers must be always_inline: GCC
-// does not inline a function of the default arch into a clone otherwise.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// does not inline a function of the default arch into a clone otherwise. ORT_LORA_NO_CLONES
+// builds only the compiler's target ISA (to check one clone: -march=x86-64-v3
+// -DORT_LORA_NO_CLONES).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ORT_LORA_NO_CLONES)
 #define ORT_LORA_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define ORT_LORA_INLINE inline __attribute__((always_inline))
