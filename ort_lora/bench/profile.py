@@ -1,0 +1,73 @@
+"""Where an ort-lora run's time goes: `python -m ort_lora.bench.profile SPEC.json [OUT_DIR]`.
+
+Runs one saved ort-lora spec (docs/bench/specs/NN-*.json) with ONNX Runtime's profiler on and
+prints the time per op type (MatMul, LoraSGMV, PagedAttention, ...) over the measured steps,
+next to the engine's host time (schedule, inputs, postprocess). Saves ORT's trace JSON and a
+summary JSON in OUT_DIR (default: the spec's directory).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from ort_lora.bench.spec import RunSpec
+
+
+def op_times(trace: list[dict]) -> dict[str, float]:
+    """Seconds per op type from an ORT profile trace (kernel events, all runs)."""
+    per_op: dict[str, float] = defaultdict(float)
+    for event in trace:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"].get("op_name", "?")] += event["dur"] / 1e6
+    return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
+
+
+def profile(spec: RunSpec, out_dir: Path) -> dict:
+    """Run `spec` (an ort-lora system) with ORT profiling; the op-time summary."""
+    import ort_lora
+    from ort_lora.bench.systems import ort_lora_engine
+
+    if spec.system != "ort-lora":
+        raise ValueError(f"profile runs ort-lora specs; this one is {spec.system!r}")
+    plain = ort_lora.session_options
+
+    def profiled(**config):
+        opts = plain(**config)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(out_dir / "ort_profile")
+        return opts
+
+    engines = []
+    build = ort_lora_engine.build_engine
+    ort_lora.session_options = profiled
+    ort_lora_engine.build_engine = lambda s, w: engines.append(build(s, w)) or engines[-1]
+    times, extra = ort_lora_engine.run(spec, spec.load)
+    trace_path = Path(engines[0].session.ort_session.end_profiling())
+    ops = op_times(json.loads(trace_path.read_text()))
+    return {"label": spec.label, "trace": str(trace_path), "op_s": ops, "extra": extra}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 2):
+        print("usage: python -m ort_lora.bench.profile SPEC.json [OUT_DIR]", file=sys.stderr)
+        return 2
+    spec_path = Path(argv[0])
+    out_dir = Path(argv[1]) if len(argv) == 2 else spec_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = profile(RunSpec.read(spec_path), out_dir)
+    total = sum(summary["op_s"].values())
+    print(f"{summary['label']}: ORT kernel time {total:.2f} s (warm-up steps included)")
+    for op, s in list(summary["op_s"].items())[:12]:
+        print(f"  {op:32s} {s:8.3f} s  {100 * s / total:5.1f} %")
+    host = summary["extra"].get("host_ms", {})
+    print("  per step at max seqs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
+    (out_dir / f"{spec_path.stem}.profile.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
