@@ -179,7 +179,21 @@ def _metrics(url) -> dict:
     return samples
 
 
-def test_runtime_load_unload_while_streaming_and_metrics(server, client, oracle):
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Each engine step takes >= 5 ms more, so a long request is still running while the test
+    looks at it (the tiny model is otherwise done before the client reads its first chunk)."""
+    inner = server[1].engine
+    step = inner.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(inner, "step", slow_step)
+
+
+def test_runtime_load_unload_while_streaming_and_metrics(server, client, slow_steps):
     url, engine = server
     free = ("ort_lora:pool_pages", (("use", "free"),))
     adapter_pages = ("ort_lora:pool_pages", (("use", "adapter"),))
@@ -208,6 +222,7 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, oracle)
     assert loaded[("ort_lora:lora_loads_total", late)] == 0
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
+    assert engine.stats()["running"] == 1  # the unload did not wait for the stream to end
     text += "".join(c.choices[0].text for c in chunks)
     # "late" is a copy of "qv4": the stream finished with the adapter it started with.
     with_qv4 = client.completions.create(model="qv4", prompt=prompt, **greedy(max_tokens=long))
@@ -219,7 +234,7 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, oracle)
     assert after[gen] == long
 
 
-def test_disconnect_frees_pages(server):
+def test_disconnect_frees_pages(server, slow_steps):
     url, engine = server
     body = {"model": engine.model_name, "prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
     body |= {"ignore_eos": True}
