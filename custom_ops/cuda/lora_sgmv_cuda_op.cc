@@ -5,23 +5,11 @@
 #include <memory>
 
 #include "cuda/sgmv_plan.h"
+#include "lora_sgmv/lora_sgmv_inputs.h"
 
 namespace ort_lora {
 
 namespace {
-
-enum InputIndex : size_t {
-  kY,
-  kX,
-  kKeyCache,
-  kValueCache,
-  kSegStarts,
-  kSegSlots,
-  kAOffsets,
-  kBOffsets,
-  kRanks,
-  kScales
-};
 
 constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
@@ -32,40 +20,7 @@ ONNXTensorElementDataType ToOnnx(SgmvDtype dtype) {
                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 }
 
-struct Inputs {
-  InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
-      scales;
-};
-
-// Reads every input and checks rank, dtype and the dims the inputs share (as the CPU op).
-Inputs ReadInputs(const Ort::KernelContext& ctx, ONNXTensorElementDataType t) {
-  Inputs in{GetInput(ctx, kY),          GetInput(ctx, kX),         GetInput(ctx, kKeyCache),
-            GetInput(ctx, kValueCache), GetInput(ctx, kSegStarts), GetInput(ctx, kSegSlots),
-            GetInput(ctx, kAOffsets),   GetInput(ctx, kBOffsets),  GetInput(ctx, kRanks),
-            GetInput(ctx, kScales)};
-  Expect(in.y, "y", 2, t);
-  Expect(in.x, "x", 2, t);
-  Expect(in.key_cache, "key_cache", 4, t);
-  Expect(in.value_cache, "value_cache", 4, t);
-  Expect(in.seg_starts, "seg_starts", 1, kInt32);
-  Expect(in.seg_slots, "seg_slots", 1, kInt32);
-  Expect(in.a_offsets, "a_offsets", 2, kInt64);
-  Expect(in.b_offsets, "b_offsets", 2, kInt64);
-  Expect(in.ranks, "ranks", 2, kInt32);
-  Expect(in.scales, "scales", 2, kFloat);
-  ExpectDim(in.x, "x", 0, in.y.shape[0], "T, the rows of y");
-  for (size_t d = 0; d < 4; ++d)
-    ExpectDim(in.value_cache, "value_cache", d, in.key_cache.shape[d], "the shape of key_cache");
-  ExpectDim(in.seg_starts, "seg_starts", 0, in.seg_slots.shape[0] + 1, "S + 1, S = len(seg_slots)");
-  ExpectDim(in.b_offsets, "b_offsets", 0, in.a_offsets.shape[0], "num_slots, as a_offsets");
-  ExpectDim(in.b_offsets, "b_offsets", 1, in.a_offsets.shape[1], "max_rank, as a_offsets");
-  ExpectDim(in.ranks, "ranks", 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
-  ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
-  ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
-  return in;
-}
-
-SgmvHostInputs HostInputs(const Inputs& in, int64_t layer) {
+SgmvHostInputs HostInputs(const LoraSgmvInputs& in, int64_t layer) {
   return {in.seg_starts.value.GetTensorData<int32_t>(),
           in.seg_slots.value.GetTensorData<int32_t>(),
           in.a_offsets.value.GetTensorData<int64_t>(),
@@ -117,7 +72,7 @@ OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
 
 void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
-  const Inputs in = ReadInputs(ctx, ToOnnx(dtype_));
+  const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
   SgmvPlan plan;
   try {
     plan = BuildSgmvPlan(HostInputs(in, layer_));

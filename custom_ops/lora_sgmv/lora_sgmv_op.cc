@@ -1,62 +1,13 @@
 #include "lora_sgmv/lora_sgmv_op.h"
 
 #include "lora_sgmv/lora_sgmv_cpu.h"
+#include "lora_sgmv/lora_sgmv_inputs.h"
 
 namespace ort_lora {
 
 namespace {
 
 constexpr int64_t kMaxRank = 512;
-
-enum InputIndex : size_t {
-  kY,
-  kX,
-  kKeyCache,
-  kValueCache,
-  kSegStarts,
-  kSegSlots,
-  kAOffsets,
-  kBOffsets,
-  kRanks,
-  kScales
-};
-
-struct Inputs {
-  InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
-      scales;
-};
-
-constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-
-// Reads every input and checks rank, dtype and the dims the inputs share.
-Inputs ReadInputs(const Ort::KernelContext& ctx) {
-  Inputs in{GetInput(ctx, kY),          GetInput(ctx, kX),         GetInput(ctx, kKeyCache),
-            GetInput(ctx, kValueCache), GetInput(ctx, kSegStarts), GetInput(ctx, kSegSlots),
-            GetInput(ctx, kAOffsets),   GetInput(ctx, kBOffsets),  GetInput(ctx, kRanks),
-            GetInput(ctx, kScales)};
-  Expect(in.y, "y", 2, kFloat);
-  Expect(in.x, "x", 2, kFloat);
-  Expect(in.key_cache, "key_cache", 4, kFloat);
-  Expect(in.value_cache, "value_cache", 4, kFloat);
-  Expect(in.seg_starts, "seg_starts", 1, kInt32);
-  Expect(in.seg_slots, "seg_slots", 1, kInt32);
-  Expect(in.a_offsets, "a_offsets", 2, kInt64);
-  Expect(in.b_offsets, "b_offsets", 2, kInt64);
-  Expect(in.ranks, "ranks", 2, kInt32);
-  Expect(in.scales, "scales", 2, kFloat);
-  ExpectDim(in.x, "x", 0, in.y.shape[0], "T, the rows of y");
-  for (size_t d = 0; d < 4; ++d)
-    ExpectDim(in.value_cache, "value_cache", d, in.key_cache.shape[d], "the shape of key_cache");
-  ExpectDim(in.seg_starts, "seg_starts", 0, in.seg_slots.shape[0] + 1, "S + 1, S = len(seg_slots)");
-  ExpectDim(in.b_offsets, "b_offsets", 0, in.a_offsets.shape[0], "num_slots, as a_offsets");
-  ExpectDim(in.b_offsets, "b_offsets", 1, in.a_offsets.shape[1], "max_rank, as a_offsets");
-  ExpectDim(in.ranks, "ranks", 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
-  ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
-  ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
-  return in;
-}
 
 void CheckSegStarts(const int32_t* starts, int64_t num_segments, int64_t num_rows) {
   if (starts[0] != 0) Fail("seg_starts[0] must be 0, got ", starts[0]);
@@ -98,7 +49,7 @@ struct Tables {
   int64_t num_slots, max_rank;
 };
 
-Tables ReadTables(const Inputs& in, int64_t layer) {
+Tables ReadTables(const LoraSgmvInputs& in, int64_t layer) {
   const int64_t num_slots = in.a_offsets.shape[0];
   return {in.seg_slots.value.GetTensorData<int32_t>(),
           in.a_offsets.value.GetTensorData<int64_t>(),
@@ -173,7 +124,7 @@ OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
 
 void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
-  const Inputs in = ReadInputs(ctx);
+  const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   const int64_t num_layers = in.ranks.shape[0];
   if (layer_ >= num_layers)
     Fail("attribute 'layer' = ", layer_, " must be < num_layers = ", num_layers,
