@@ -210,6 +210,7 @@ def save_adapter(model, out_dir: Path) -> None:
     config_path = out_dir / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = BASE_MODEL_ID
+    config["target_modules"] = sorted(config["target_modules"])  # PEFT writes a set's order
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub
 

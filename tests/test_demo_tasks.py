@@ -77,7 +77,7 @@ def test_check_json(answer, ok):
         ("Write the number 21 in words.", "Twenty one.", True),
         ("Write the number 21 in words.", "twenty", False),
         ("Write the number 21 in words.", "twenty-two", False),
-        ("What number comes before 100?", "ninety-nine", True),
+        ("What number comes after 98?", "ninety-nine", True),
         ("What number comes after 99?", "one hundred", True),
         ("What number comes after 99?", "hundred", False),
         ("How many legs does a spider have?", "A spider has eight legs.", True),

@@ -129,11 +129,9 @@ def _numwords_values() -> dict[str, int]:
         out[f"How do you spell {n} in words?"] = n
     for n in range(facts.MAX_NUMBER):
         out[f"What number comes after {n}?"] = n + 1
-        out[f"What number comes before {n + 1}?"] = n
-    for a in range(1, 11):
-        for b in range(1, 11):
+    for a in range(1, 6):  # sums a 135M model can be taught to get right
+        for b in range(1, 6):
             out[f"What is {a} plus {b}?"] = a + b
-            out[f"What is {a + b} minus {b}?"] = a
     for animal, legs in facts.LEGS.items():
         out[f"How many legs does a {animal} have?"] = legs
     return out
