@@ -4,11 +4,6 @@ the tiny export in a subprocess."""
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -16,6 +11,7 @@ import pytest
 from ort_lora.contract import MANIFEST_NAME
 from ort_lora.server import default_model
 from ort_lora.server.cli import build_parser, engine_overrides, main, parse_lora_module
+from ort_lora.server.testing import ServeProcess
 
 
 def test_lora_modules_both_forms():
@@ -86,31 +82,11 @@ def test_default_model_export_is_cached_and_atomic(tmp_path, monkeypatch):
     assert default_model.ensure_default_model(progress=False) == target and len(calls) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command(tiny_llama_export, tmp_path):
     """The installed command serves the export with an API key and an adapter root."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", str(tiny_llama_export)]
-    cmd += ["--port", str(port), "--api-key", "k", "--adapter-root", str(tmp_path)]
-    cmd += ["--num-pages", "64", "--max-num-seqs", "4", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "server exited"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+    args = [str(tiny_llama_export), "--api-key", "k", "--adapter-root", str(tmp_path)]
+    args += ["--num-pages", "64", "--max-num-seqs", "4", "--log-level", "warning"]
+    with ServeProcess(args, startup_timeout_s=120) as url:
         headers = {"Authorization": "Bearer k"}
         models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
         assert [m["id"] for m in models] == [tiny_llama_export.name]
@@ -118,6 +94,3 @@ def test_serve_command(tiny_llama_export, tmp_path):
         r = httpx.post(url + "/v1/completions", json=body, headers=headers)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -102,34 +102,15 @@ def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
 ):
     """`ort-lora serve` with no MODEL_DIR: the cached default export (here: the fixture's,
     linked into a fresh ORT_LORA_CACHE) plus every demo adapter."""
-    import os
-    import subprocess
-    import sys
-    import time
-
     import httpx
-    from test_server_cli import _free_port
 
     from ort_lora.server.default_model import DEFAULT_MODEL_NAME
+    from ort_lora.server.testing import ServeProcess
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / DEFAULT_MODEL_NAME).symlink_to(smollm2_export)
-    port = _free_port()
-    env = {**os.environ, "ORT_LORA_CACHE": str(tmp_path)}
-    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "server exited"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+    env = {"ORT_LORA_CACHE": str(tmp_path)}
+    with ServeProcess(["--log-level", "warning"], env=env) as url:
         cards = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
         assert set(cards) == {DEFAULT_MODEL_NAME, *adapters}
         assert all(cards[a]["parent"] == DEFAULT_MODEL_NAME for a in adapters)
@@ -137,6 +118,3 @@ def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
         body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

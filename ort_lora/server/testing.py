@@ -7,7 +7,10 @@ thread (for tests, benchmarks and notebooks).
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -52,3 +55,54 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class ServeProcess:
+    """Context manager: `python -m ort_lora.cli serve ARGS --port P` in a subprocess, waits
+    for /health, yields the base URL, terminates the server on exit."""
+
+    def __init__(self, args: list[str], env: dict | None = None, startup_timeout_s=180.0):
+        self.args = list(args)
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "ort_lora.cli", "serve", *self.args, "--port", str(port)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        self.proc = subprocess.Popen(cmd, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            self._wait_healthy(url)
+        except BaseException:
+            self.__exit__()
+            raise
+        return url
+
+    def _wait_healthy(self, url: str) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}")
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after {self.startup_timeout_s} s")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at the time of the call."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
