@@ -270,7 +270,7 @@ class LLMEngine:
             SampleRow(s.params, c.seq.prompt_token_ids, c.seq.output_token_ids, c.generator)
             for s, c in owners
         ]
-        out = sample(logits[[e.sample_row for e in entries]], rows, self.rng)
+        out = sample(_rows(logits, [e.sample_row for e in entries]), rows, self.rng)
         sampled, stopped = {}, {}
         for i, (state, c) in enumerate(owners):
             token = int(out.token_ids[i])
@@ -357,3 +357,10 @@ class LLMEngine:
             "adapters": adapters,
             "step": self.times,
         }
+
+
+def _rows(logits: np.ndarray, rows: list[int]) -> np.ndarray:
+    """logits[rows] without a copy when rows are 0..n-1 in order (every decode step)."""
+    if rows == list(range(len(rows))):
+        return logits[: len(rows)]
+    return logits[rows]

@@ -60,7 +60,10 @@ def sample(
     x = apply_penalties(raw, rows)  # [B, V]
     tokens = np.empty(len(rows), np.int64)
     greedy = np.array([r.params.is_greedy for r in rows], bool)
-    tokens[greedy] = np.argmax(x[greedy], axis=1)
+    if greedy.all():  # the common case: no copy of the [B, V] logits
+        tokens[:] = np.argmax(x, axis=1)
+    elif greedy.any():
+        tokens[greedy] = np.argmax(x[greedy], axis=1)
     rand = np.flatnonzero(~greedy)
     if len(rand):
         probs = truncated_probs(x[rand], [rows[i].params for i in rand])  # [b, V]
@@ -71,11 +74,12 @@ def sample(
 
 
 def apply_penalties(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray:
-    """Repetition, frequency and presence penalties (a new array; rows without any unchanged)."""
-    out = logits.copy()
+    """Repetition, frequency and presence penalties: a new array, or `logits` itself (not to
+    be modified) when no row has any."""
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
-        return out
+        return logits
+    out = logits.copy()
     vocab = logits.shape[1]
     counts = np.stack([_bincount(rows[i].output_token_ids, vocab) for i in idx])  # [k, V]
     seen = counts > 0
