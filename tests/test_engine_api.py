@@ -145,3 +145,19 @@ def test_async_stream_and_abort(tiny_llama_export):
             await engine.stop()
 
     asyncio.run(main())
+
+
+def test_chunked_prefill_equals_one_pass(tiny_llama_export):
+    """A 37-token prompt in chunks of 8 (steps that return no logits row) == one pass."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=1)
+    small = LLM(tiny_llama_export, num_pages=64, max_num_seqs=4, max_num_batched_tokens=8)
+    chunked = small.generate(prompt, params)[0]
+    whole = LLM(tiny_llama_export, num_pages=64).generate(prompt, params)[0]
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert len(chunked.prompt_logprobs) == 37
+    for a, b in zip(chunked.prompt_logprobs[1:], whole.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose(
+            [v.logprob for v in a.values()], [v.logprob for v in b.values()], atol=1e-5
+        )
