@@ -55,9 +55,15 @@ class SequenceStep:
 
 def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
     """Zeros whose first element is `alignment`-byte aligned (as ORT's allocator would give):
-    adapter rows in the pool then start on cache-line boundaries for the SGMV kernel."""
+    adapter rows in the pool then start on cache-line boundaries for the SGMV kernel.
+
+    Every page is written here, once: a lazily mapped pool would take its page faults (and
+    the kernel's zeroing of transparent huge pages) inside the first steps that load adapters
+    or write KV, 10x slower than the copies themselves.
+    """
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    raw.fill(0)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
