@@ -1,7 +1,7 @@
 """`ort-lora bench`: run every benchmark system on the workloads, one process per run, and
 write results.json, report.md and PNG plots into the results directory.
 
-    ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests (~7 min on a quiet 2-core machine)
+    ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests (~7 min)
     ort-lora bench --quick          tiny random model, 8 requests (a few minutes)
 """
 
