@@ -72,38 +72,27 @@ def build_step_inputs(manifest: C.ModelManifest, seqs: list[SequenceStep]) -> di
     """The metadata inputs of one step for `seqs`, with LoRA disabled (one segment, slot -1).
 
     Token i of sequence b sits at position past_len + i, in page
-    block_table[pos // block_size], row pos % block_size.
+    block_table[pos // block_size], row pos % block_size. The arrays are the engine's
+    (`build_metadata` of a plan whose entries are these sequences, all on the base model).
     """
+    from ort_lora.engine.step_plan import BASE_SLOT, ScheduledSeq, build_metadata, make_plan
+
     bs = manifest.block_size
-    ids, pos, slots, rows = [], [], [], []
-    cu = [0]
-    max_blocks = max(len(s.block_table) for s in seqs)
-    table = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int32)  # [B, max_blocks]
+    entries = []
     for b, s in enumerate(seqs):
-        p = np.arange(s.past_len, s.past_len + len(s.token_ids))
-        if (p[-1] // bs) >= len(s.block_table):
+        last = s.past_len + len(s.token_ids) - 1
+        if last // bs >= len(s.block_table):
             raise ValueError(
-                f"sequence {b}: position {p[-1]} needs {p[-1] // bs + 1} blocks of {bs}, "
+                f"sequence {b}: position {last} needs {last // bs + 1} blocks of {bs}, "
                 f"its block table has {len(s.block_table)}"
             )
-        table[b, : len(s.block_table)] = s.block_table
-        pages = np.asarray(s.block_table)[p // bs]
-        ids += list(s.token_ids)
-        pos += p.tolist()
-        slots += (pages * bs + p % bs).tolist()
-        local = s.logits_rows if s.logits_rows is not None else [len(s.token_ids) - 1]
-        rows += [cu[-1] + r for r in local]
-        cu.append(cu[-1] + len(s.token_ids))
-    inputs = {
-        C.INPUT_IDS: np.asarray(ids, dtype=np.int64),  # [T]
-        C.POSITION_IDS: np.asarray(pos, dtype=np.int64),  # [T]
-        C.CU_SEQLENS: np.asarray(cu, dtype=np.int32),  # [B + 1]
-        C.PAST_SEQLENS: np.asarray([s.past_len for s in seqs], dtype=np.int32),  # [B]
-        C.BLOCK_TABLE: table,
-        C.SLOT_MAPPING: np.asarray(slots, dtype=np.int32),  # [T]
-        C.LOGITS_INDICES: np.asarray(rows, dtype=np.int64),  # [N]
-    }
-    inputs.update(no_lora_inputs(manifest, len(ids)))
+        rows = s.logits_rows if s.logits_rows is not None else [len(s.token_ids) - 1]
+        entries.append(
+            ScheduledSeq(str(b), tuple(s.token_ids), s.past_len, tuple(s.block_table), BASE_SLOT,
+                         tuple(rows), sample=False)
+        )  # fmt: skip
+    inputs = build_metadata(make_plan(entries, []), bs)
+    inputs.update(no_lora_inputs(manifest, sum(len(s.token_ids) for s in seqs)))
     return inputs
 
 
