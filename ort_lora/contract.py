@@ -10,6 +10,10 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments):
   past_seqlens               int32 [B]
   block_table                int32 [B, max_blocks]
   slot_mapping               int32 [T]
+  attention_metadata         int32 [3]      --device cuda graphs only: [max new tokens of a
+                                            sequence, max kv length (past + new), the same
+                                            max kv length]: bounds ORT's CUDA PagedAttention
+                                            would otherwise read back from the GPU per layer
   logits_indices             int64 [N]      rows of T whose logits are returned (any N rows:
                                             usually each sequence's last, all prompt rows
                                             for prompt_logprobs)
@@ -49,6 +53,7 @@ CU_SEQLENS = "cumulative_sequence_length"
 PAST_SEQLENS = "past_seqlens"
 BLOCK_TABLE = "block_table"
 SLOT_MAPPING = "slot_mapping"
+ATTENTION_METADATA = "attention_metadata"
 LOGITS_INDICES = "logits_indices"
 LORA_SEG_STARTS = "lora_seg_starts"
 LORA_SEG_SLOTS = "lora_seg_slots"

@@ -48,6 +48,7 @@ def test_step_inputs_metadata(session):
     assert got[C.LOGITS_INDICES].tolist() == [2, 3, 4, 14]
     assert got[C.BLOCK_TABLE].shape == (3, 2) and got[C.BLOCK_TABLE][1].tolist() == [2, 7]
     assert got[C.LORA_SEG_SLOTS].tolist() == [-1]
+    assert got[C.ATTENTION_METADATA].tolist() == [11, 14, 14]  # 11 new tokens; 3 + 11 cached
     with pytest.raises(ValueError, match="needs 2 blocks"):
         build_step_inputs(session.manifest, [SequenceStep([1] * (bs + 1), 0, [0])])
 

@@ -32,6 +32,7 @@ def test_metadata_arrays_by_hand():
         C.PAST_SEQLENS: [5, 0, 3, 2],
         C.BLOCK_TABLE: [[7, 2, -1], [4, -1, -1], [0, 5, 3], [6, 1, -1]],
         C.SLOT_MAPPING: [9, 10, 16, 17, 18, 3, 26, 27, 4],
+        C.ATTENTION_METADATA: [3, 7, 7],  # y and w add 3 tokens; x ends at 5 + 2
         C.LOGITS_INDICES: [1, 4, 6, 7, 8],
         C.LORA_SEG_STARTS: [0, 2, 6, 9],
         C.LORA_SEG_SLOTS: [-1, 0, 1],

@@ -141,7 +141,8 @@ def build_metadata(
     Returns (T tokens, B = len(plan.entries), R = plan.num_logit_rows, S segments):
       input_ids int64 [T], position_ids int64 [T], cumulative_sequence_length int32 [B+1],
       past_seqlens int32 [B], block_table int32 [B, W] padded with -1 (W = max_blocks or the
-      longest table), slot_mapping int32 [T], logits_indices int64 [R],
+      longest table), slot_mapping int32 [T], attention_metadata int32 [3] (max new tokens,
+      max kv length, max kv length), logits_indices int64 [R],
       lora_seg_starts int32 [S+1], lora_seg_slots int32 [S] (one segment per slot, -1 = base).
     """
     if plan.is_empty:
@@ -154,6 +155,7 @@ def build_metadata(
     seq_of_tok = np.repeat(np.arange(len(entries)), lens)  # [T]
     positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[seq_of_tok]  # [T]
     table = _block_table(entries, block_size, max_blocks)  # [B, W]
+    kv_max = int((starts + lens).max())  # longest sequence after this step
     pages = table[seq_of_tok, positions // block_size]  # [T]
     assert (pages >= 0).all(), "a token position lies beyond its sequence's block table"
     logit_rows = [cu[i] + np.array(e.logit_rows, np.int64) for i, e in enumerate(entries)]
@@ -165,6 +167,7 @@ def build_metadata(
         C.PAST_SEQLENS: (starts, np.int32),
         C.BLOCK_TABLE: (table, np.int32),
         C.SLOT_MAPPING: (pages * block_size + positions % block_size, np.int32),
+        C.ATTENTION_METADATA: ([lens.max(), kv_max, kv_max], np.int32),
         C.LOGITS_INDICES: (np.concatenate(logit_rows), np.int64),
         C.LORA_SEG_STARTS: (seg_starts, np.int32),
         C.LORA_SEG_SLOTS: (seg_slots, np.int32),

@@ -66,6 +66,8 @@ class DecoderBuilder:
         g.input(C.PAST_SEQLENS, "int32", ["B"])
         g.input(C.BLOCK_TABLE, "int32", ["B", "max_blocks"])
         g.input(C.SLOT_MAPPING, "int32", ["T"])
+        if self.device == "cuda":  # ORT's CUDA PagedAttention; the CPU op derives the bounds
+            g.input(C.ATTENTION_METADATA, "int32", [3])
         g.input(C.LOGITS_INDICES, "int64", ["N"])
         cache_shape = ["num_pages", self.block_size, cfg.num_kv_heads, cfg.head_dim]
         for layer in range(cfg.num_layers):
@@ -156,7 +158,12 @@ class DecoderBuilder:
             sin,
             C.SLOT_MAPPING,
         ]
-        domain = MSFT if self.device == "cuda" else C.OPS_DOMAIN
+        domain = C.OPS_DOMAIN
+        if self.device == "cuda":
+            # inputs 11..15 (head_sink, q/k norm weights, k/v scales) are absent; 16 is the
+            # host-side bounds that spare ORT a device-to-host copy and sync per layer
+            inputs += [""] * 5 + [C.ATTENTION_METADATA]
+            domain = MSFT
         (attn,) = self.g.node(
             "PagedAttention",
             inputs,
