@@ -22,7 +22,7 @@ def test_cuda_export_graph(tiny_llama_checkpoint, tmp_path, dtype):
         tmp_path / "out",
         dtype=dtype,
         device="cuda",
-        block_size=8,
+        block_size=16,
         progress=False,
     )
     model = onnx.load(str(out / "model.onnx"))  # loads the external data too

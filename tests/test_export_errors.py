@@ -119,6 +119,8 @@ def test_force_never_replaces_a_foreign_directory(tiny_llama_checkpoint, tmp_pat
         ({"dtype": "float16"}, "not supported on device cpu"),
         ({"block_size": 2}, "--block-size >= 4"),  # 2 * 2 * 16 = 64 < 128
         ({"block_size": 0}, "positive integer"),
+        ({"device": "cuda", "dtype": "float16"}, "power of two >= 16"),  # block 8
+        ({"device": "cuda", "dtype": "float16", "block_size": 24}, "power of two >= 16"),
         ({"extra": {"colour": "blue"}}, "unknown --extra key"),
     ],
 )

@@ -56,6 +56,8 @@ def export_model(
     if "max_position_embeddings" in extra:
         cfg.max_position_embeddings = extra["max_position_embeddings"]
     _check_page_fits_rows(cfg, targets, block_size)
+    if device == "cuda":
+        _check_cuda_attention(cfg, block_size)
     options = dict(
         lora_targets=targets, dtype=dtype, block_size=block_size, device=device, extra=extra
     )
@@ -130,6 +132,19 @@ def _check_device_dtype(device: str, dtype: str) -> None:
         raise ExportError(
             f"dtype {dtype} is not supported on device {device}; "
             f"use {' or '.join(DEVICE_DTYPES[device])}"
+        )
+
+
+def _check_cuda_attention(cfg: ArchConfig, block_size: int) -> None:
+    """What ORT's CUDA com.microsoft.PagedAttention accepts (it checks at run time)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ExportError(
+            f"block size {block_size}: ORT's CUDA PagedAttention needs a power of two >= 16 "
+            "(use --block-size 16)"
+        )
+    if cfg.head_dim % 8:
+        raise ExportError(
+            f"head_dim {cfg.head_dim}: ORT's CUDA PagedAttention needs a multiple of 8"
         )
 
 
