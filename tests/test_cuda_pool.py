@@ -1,10 +1,12 @@
 """Host side of the CUDA pool (ort_lora/runtime/cuda_pool.py), on CPU: bind plan, upload copies,
-bfloat16 rounding and the prefetch bookkeeping. The oracles are independent: the CPU pool that
-registry.write_to_pool fills directly, a byte-level memcpy2D simulation, and torch's bfloat16.
+bfloat16 rounding, the prefetch bookkeeping, and CudaPool itself over host memory. The oracles
+are independent: the CPU pool that registry.write_to_pool fills directly, a byte-level memcpy2D
+simulation, and torch's bfloat16.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from ort_lora.adapters.host import HostAdapter, ModuleWeights
 from ort_lora.adapters.layout import packing, write_to_pool
 from ort_lora.contract import ModelManifest, key_cache_name, value_cache_name
 from ort_lora.runtime.cuda_pool import (
+    CudaPool,
     Load,
     PrefetchTracker,
     Staging,
@@ -130,3 +133,112 @@ def test_tracker_waits_only_for_the_step_adapters_and_reuses_staging():
     assert t.acquire(100) is s2 and t.acquire(1) is None
     t.retire(lambda e: True)
     assert t.inflight == [] and t.acquire(64) is s1
+
+
+class HostMemoryRuntime:
+    """CudaRuntime's interface over host memory: "device" and pinned allocations are numpy
+    buffers, copies are real memmoves done when enqueued, and events fire when the test says.
+    It records every call so the test can check ordering (which stream, which event)."""
+
+    def __init__(self):
+        self.buffers, self.calls, self.fired = [], [], set()
+        self._handles = iter(range(1000, 10**6))
+
+    def device_count(self) -> int:
+        return 1
+
+    def _alloc(self, nbytes: int) -> int:
+        buf = np.full(nbytes, 0xAB, np.uint8)  # garbage, as fresh memory is
+        self.buffers.append(buf)
+        return buf.ctypes.data
+
+    def malloc(self, nbytes: int) -> int:
+        self.calls.append(("malloc", nbytes))
+        return self._alloc(nbytes)
+
+    def host_alloc(self, nbytes: int) -> int:
+        self.calls.append(("host_alloc", nbytes))
+        return self._alloc(nbytes)
+
+    def stream(self) -> int:
+        return next(self._handles)
+
+    def event(self) -> int:
+        return next(self._handles)
+
+    def event_done(self, event: int) -> bool:
+        return event in self.fired
+
+    def call(self, name: str, *args) -> int:
+        values = [getattr(a, "value", a) for a in args]
+        self.calls.append((name, *values))
+        if name == "memset":
+            ctypes.memset(values[0], values[1], values[2])
+        return 0
+
+    def copy_2d(self, dst: int, c, src: int, stream: int) -> None:
+        self.calls.append(("copy_2d", stream))
+        for row in range(c.height):
+            ctypes.memmove(
+                dst + c.dst_offset + row * c.dst_pitch,
+                src + c.src_offset + row * c.src_pitch,
+                c.width,
+            )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_pool_uploads_adapters_and_orders_streams(dtype):
+    """CudaPool over host memory: an adapter load lands exactly the rows write_to_pool puts in
+    a CPU pool (bfloat16 as torch rounds it), on the copy stream, behind the pool's zeroing;
+    a step waits on the compute stream for the events of its adapters only; staging memory is
+    reused only after its copy's event fired."""
+    rng = np.random.default_rng(11)
+    m, num_pages = manifest(dtype=dtype, block=4), 24
+    rt = HostMemoryRuntime()
+    pool = CudaPool(m, num_pages, rt)
+    names = [c[0] for c in rt.calls]
+    assert names[:3] == ["malloc", "memset", "stream_synchronize"]  # zeroed before any copy
+    adapters = {7: random_adapter(rng, m), 9: random_adapter(rng, m, rank=2)}
+    need = {aid: packing(a, m.page_elems).num_pages for aid, a in adapters.items()}
+    placed = {7: [4, 5, 1, 12, 13, 14][: need[7]], 9: [20, 8, 9, 10, 11][: need[9]]}
+    assert len(placed[7]) == need[7] and len(placed[9]) == need[9]
+    for aid, pages in placed.items():
+        pool.load(aid, pages, lambda staging, a=adapters[aid]: write_to_pool(
+            a, list(range(staging.shape[2])), staging))  # fmt: skip
+    assert {c[1] for c in rt.calls if c[0] == "copy_2d"} == {pool.copy_stream}
+    shape = (m.num_layers, 2, num_pages, m.block_size, m.num_kv_heads, m.head_dim)
+    expected, rows = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for aid, pages in placed.items():
+        write_to_pool(adapters[aid], pages, expected)
+        write_to_pool(_ones_like(adapters[aid]), pages, rows)
+    rows = rows != 0  # where adapter rows live (gaps between rows are left undefined)
+    device = rt.buffers[0][: pool_bytes(m, num_pages)].view(np.uint16).reshape(shape)
+    if dtype == "float16":
+        want = expected.astype(np.float16).view(np.uint16)
+    else:
+        want = torch.from_numpy(expected).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(device[rows], want.view(np.uint16)[rows])
+    others = np.ones(num_pages, bool)
+    others[sum(placed.values(), [])] = False
+    assert not device[:, :, others].any()  # pages no adapter owns stay zero
+
+    events = {ld.adapter_id: ld.event for ld in pool.tracker.inflight}
+    rt.calls.clear()
+    pool.wait_for([9])
+    assert rt.calls == [("stream_wait_event", pool.compute_stream, events[9])]
+    staging_7 = next(ld.staging for ld in pool.tracker.inflight if ld.adapter_id == 7)
+    pool.load(7, [2, 3, 6, 7], lambda s: None)  # adapter 7's copy is still in flight
+    assert pool.tracker.inflight[-1].staging is not staging_7
+    rt.fired.add(events[7])
+    pool.poll()
+    assert ("event_destroy", events[7]) in rt.calls
+    pool.load(3, [0, 15, 16, 17], lambda s: None)
+    assert pool.tracker.inflight[-1].staging is staging_7  # reused once its copy landed
+
+
+def _ones_like(adapter: HostAdapter) -> HostAdapter:
+    modules = {
+        name: ModuleWeights(np.ones_like(w.a), np.ones_like(w.bt), w.ranks, w.scales)
+        for name, w in adapter.modules.items()
+    }
+    return HostAdapter(adapter.name, adapter.path, modules)

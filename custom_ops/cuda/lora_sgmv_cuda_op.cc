@@ -41,12 +41,15 @@ SgmvHostInputs HostInputs(const LoraSgmvInputs& in, int64_t layer) {
           2};
 }
 
-// Device scratch from the session's CUDA allocator, returned to it when Compute ends.
+// Device scratch from the session's CUDA allocator, returned to it when Compute ends. The
+// allocator handle KernelContext_GetAllocator gives out is a new wrapper object owned by the
+// caller (ORT's C API: release it with ReleaseAllocator), so it is released here too.
 struct Scratch {
   OrtAllocator* allocator = nullptr;
   void* ptr = nullptr;
   ~Scratch() {
     if (ptr != nullptr) allocator->Free(allocator, ptr);
+    if (allocator != nullptr) Ort::GetApi().ReleaseAllocator(allocator);
   }
 };
 

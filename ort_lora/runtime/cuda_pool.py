@@ -277,6 +277,9 @@ class CudaPool:
         nbytes = pool_bytes(manifest, num_pages)
         self.base = runtime.malloc(nbytes)
         runtime.call("memset", ctypes.c_void_p(self.base), 0, ctypes.c_uint64(nbytes))
+        # cudaMemset runs on the legacy default stream, which our non-blocking streams do not
+        # wait for: finish it before any upload can write adapter pages
+        runtime.call("stream_synchronize", ctypes.c_void_p(0))
         self.copy_stream = runtime.stream()
         self.compute_stream = runtime.stream()
         self.tracker = PrefetchTracker()
@@ -337,7 +340,11 @@ def cuda_providers(pool: CudaPool, device_id: int = 0) -> list:
             f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
             f"(available: {ort.get_available_providers()}); install onnxruntime-gpu"
         )
-    options = {"device_id": str(device_id), "user_compute_stream": str(pool.compute_stream)}
+    options = {
+        "device_id": str(device_id),
+        "has_user_compute_stream": "1",
+        "user_compute_stream": str(pool.compute_stream),
+    }
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
