@@ -59,9 +59,10 @@ def test_default_model_export_is_cached_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
     calls = []
 
-    def fake_export(src, out, **kw):
-        calls.append((src, out))
-        assert not (tmp_path / "models" / default_model.DEFAULT_MODEL_NAME).exists()
+    def fake_export(src, out, force, progress, **options):
+        calls.append((src, out, options))
+        name = default_model.default_model_name(options.get("device", "cpu"))
+        assert not (tmp_path / "models" / name).exists()
         if len(calls) == 1:
             (out / "partial").write_text("x")
             raise RuntimeError("disk full")
@@ -80,6 +81,9 @@ def test_default_model_export_is_cached_and_atomic(tmp_path, monkeypatch):
     assert (target / MANIFEST_NAME).is_file()
     assert calls[-1][0] == default_model.default_gguf_path()
     assert default_model.ensure_default_model(progress=False) == target and len(calls) == 2
+    cuda = default_model.ensure_default_model(progress=False, device="cuda")
+    assert cuda != target and cuda.parent == models and len(calls) == 3
+    assert calls[-1][2] == {"device": "cuda", "dtype": "float16"}  # its own float16 export
 
 
 def test_serve_command(tiny_llama_export, tmp_path):

@@ -92,7 +92,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]]
     from ort_lora.server.default_model import demo_adapters, ensure_default_model
 
     demos = [(name, str(path)) for name, path in demo_adapters().items()]
-    return ensure_default_model(progress=True), demos + modules
+    return ensure_default_model(progress=True, device=args.device), demos + modules
 
 
 def build_app(args: argparse.Namespace):
@@ -104,7 +104,7 @@ def build_app(args: argparse.Namespace):
     engine = AsyncEngine.from_model_dir(
         model_dir,
         max_queued_requests=args.max_queued_requests,
-        device=getattr(args, "device", "cpu"),
+        device=args.device,
         **engine_overrides(args),
     )
     names = [name for name, _ in modules]

@@ -45,22 +45,30 @@ def default_gguf_path() -> Path:
     return path
 
 
-def ensure_default_model(progress: bool = True) -> Path:
-    """The exported default model directory, exporting it first if the cache lacks it."""
-    target = cache_root() / "models" / DEFAULT_MODEL_NAME
+def default_model_name(device: str = "cpu") -> str:
+    """The cache entry of the default model's export for `device` (cuda: float16)."""
+    return DEFAULT_MODEL_NAME if device == "cpu" else f"{DEFAULT_MODEL_NAME}-{device}-float16"
+
+
+def ensure_default_model(progress: bool = True, device: str = "cpu") -> Path:
+    """The default model exported for `device` (cpu: float32, cuda: float16), exporting it
+    first if the cache lacks it."""
+    name = default_model_name(device)
+    target = cache_root() / "models" / name
     if (target / MANIFEST_NAME).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with _locked(target.parent / f".{name}.lock"):
         if (target / MANIFEST_NAME).is_file():  # another process finished it meanwhile
             return target
         from ort_lora.export import export_model
 
         gguf = default_gguf_path()
         print(f"ort-lora: exporting the default model {gguf.name} to {target}", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        options = {"device": "cuda", "dtype": "float16"} if device == "cuda" else {}
         try:
-            export_model(gguf, tmp, force=True, progress=progress)
+            export_model(gguf, tmp, force=True, progress=progress, **options)
             if target.exists():  # a stale, incomplete entry (no manifest)
                 shutil.rmtree(target)
             tmp.rename(target)
