@@ -98,3 +98,20 @@ def test_serve_command(tiny_llama_export, tmp_path):
         r = httpx.post(url + "/v1/completions", json=body, headers=headers)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+
+
+def test_serve_device_cuda_without_a_gpu_is_refused_before_any_export(
+    tmp_path, monkeypatch, capsys
+):
+    from ort_lora.runtime.cuda_pool import CudaError, require_cuda
+
+    try:
+        require_cuda()
+        pytest.skip("CUDA is usable here: this checks the refusal on a machine without it")
+    except CudaError:
+        pass
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
+    assert main(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ort-lora serve: ") and "CUDA" in err and "Traceback" not in err
+    assert not (tmp_path / "models").exists()  # refused before exporting the default model

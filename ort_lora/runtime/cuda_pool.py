@@ -331,15 +331,23 @@ class CudaPool:
 ORT_ELEMENT_TYPES = {"float16": np.float16, "bfloat16": 16}  # 16: TensorProto.BFLOAT16
 
 
-def cuda_providers(pool: CudaPool, device_id: int = 0) -> list:
-    """CUDA EP options that run the graph on pool.compute_stream, CPU EP for the rest."""
+def require_cuda() -> None:
+    """Raise CudaError naming what is missing unless a CUDA run can start here: the op library
+    built with CUDA, a visible device, and onnxruntime with CUDAExecutionProvider."""
     import onnxruntime as ort
 
+    if CudaRuntime().device_count() < 1:
+        raise CudaError("no CUDA device is visible (cudaGetDeviceCount returned 0 or failed)")
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise CudaError(
             f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
             f"(available: {ort.get_available_providers()}); install onnxruntime-gpu"
         )
+
+
+def cuda_providers(pool: CudaPool, device_id: int = 0) -> list:
+    """CUDA EP options that run the graph on pool.compute_stream, CPU EP for the rest."""
+    require_cuda()
     options = {
         "device_id": str(device_id),
         "has_user_compute_stream": "1",

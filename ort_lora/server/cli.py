@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ort_lora.lora_request import LoRARequest
+from ort_lora.runtime.cuda_pool import CudaError
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -100,6 +101,10 @@ def build_app(args: argparse.Namespace):
     from ort_lora.engine.async_engine import AsyncEngine
     from ort_lora.server.app import create_app
 
+    if args.device == "cuda":  # before a possibly long export of the default model
+        from ort_lora.runtime.cuda_pool import require_cuda
+
+        require_cuda()
     model_dir, modules = resolve_model(args)
     engine = AsyncEngine.from_model_dir(
         model_dir,
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         app = build_app(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, FileNotFoundError, OSError, CudaError) as exc:
         print(f"ort-lora serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn
