@@ -6,6 +6,15 @@
 
 #include "cuda/sgmv_launcher.h"
 
+#ifdef ORT_LORA_CUDA_EMU  // host-only build for the CPU emulator (tests/cuda_emu_build.py)
+#include "cuda/emu/cuda_emu.h"
+#define ORT_LORA_LAUNCH(kernel, grid, block, stream, ...) \
+  ((void)(stream), ORT_LORA_EMU_LAUNCH(kernel, grid, block, __VA_ARGS__))
+#else
+#define ORT_LORA_LAUNCH(kernel, grid, block, stream, ...) \
+  kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#endif
+
 namespace ort_lora {
 namespace {
 
@@ -14,6 +23,7 @@ constexpr int kChunk = 64;        // columns of x / A staged per shrink iteratio
 constexpr int kShrinkRanks = 16;  // ranks per SGMV shrink block
 constexpr int kWarps = kThreads / 32;
 static_assert(kShrinkRanks * kTileRows == kThreads, "one SGMV shrink output per thread");
+static_assert(kShrinkRanks == kTileRows, "ShrinkSgmv stages x and A rows in one loop over r");
 
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -117,17 +127,19 @@ unsigned Blocks(int64_t n, int64_t per) { return static_cast<unsigned>((n + per 
 template <typename T>
 cudaError_t Launch(const SgmvArgs& a, cudaStream_t stream) {
   if (a.num_sgmv_tiles > 0) {
-    ShrinkSgmv<T>
-        <<<dim3(a.num_sgmv_tiles, Blocks(a.max_rank, kShrinkRanks)), kThreads, 0, stream>>>(a);
+    ORT_LORA_LAUNCH(ShrinkSgmv<T>, dim3(a.num_sgmv_tiles, Blocks(a.max_rank, kShrinkRanks)),
+                    kThreads, stream, a);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (a.num_bgmv_tiles > 0) {
-    ShrinkBgmv<T><<<dim3(a.num_bgmv_tiles, Blocks(a.max_rank, kWarps)), kThreads, 0, stream>>>(a);
+    ORT_LORA_LAUNCH(ShrinkBgmv<T>, dim3(a.num_bgmv_tiles, Blocks(a.max_rank, kWarps)), kThreads,
+                    stream, a);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   const int num_tiles = a.num_sgmv_tiles + a.num_bgmv_tiles;
   if (num_tiles > 0) {
-    ExpandTiles<T><<<dim3(num_tiles, Blocks(a.out_features, kThreads)), kThreads, 0, stream>>>(a);
+    ORT_LORA_LAUNCH(ExpandTiles<T>, dim3(num_tiles, Blocks(a.out_features, kThreads)), kThreads,
+                    stream, a);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;

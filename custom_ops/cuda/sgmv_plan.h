@@ -1,5 +1,6 @@
 // Host side of the CUDA LoraSGMV: validates the (host-resident) LoRA metadata and turns it into
-// a compact launch plan (row tiles + pool row pointers), then uploads and launches it.
+// a compact launch plan (row tiles + pool row pointers), then uploads and launches it
+// (RunLoraSgmv, in sgmv_run.cc: the only part that calls the CUDA runtime).
 // No ONNX Runtime types: used by the op (lora_sgmv_cuda_op.cc) and the C test entry
 // (cuda_runtime_c.cc). Bad metadata throws std::invalid_argument naming the input.
 #pragma once
@@ -46,9 +47,15 @@ struct SgmvPlan {
 // pool half) and builds the plan. Throws std::invalid_argument naming the bad input.
 SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in);
 
-// Copies y to y_out, uploads the plan into scratch (device, ScratchBytes(num_rows) bytes) from
-// a pinned staging ring (a slot is reused only after the event behind its last copy fired),
-// and launches the kernels, all on `stream`. Returns the first CUDA error.
+// The launch arguments for a plan serialized at the start of `scratch` (ScratchBytes bytes):
+// tiles, row pointers, then v. scratch is a device address (or host memory in the emulator).
+SgmvArgs PlanArgs(const SgmvPlan& plan, void* scratch, const void* x, void* y_out,
+                  int64_t in_features, int64_t out_features);
+
+// sgmv_run.cc (CUDA runtime): copies y to y_out, uploads the plan into scratch (device,
+// ScratchBytes(num_rows) bytes) from a pinned staging ring (a slot is reused only after the event
+// behind its last copy fired), and launches the kernels, all on `stream`. Returns the first CUDA
+// error.
 cudaError_t RunLoraSgmv(SgmvDtype dtype, const SgmvPlan& plan, const void* x, const void* y,
                         void* y_out, int64_t num_rows, int64_t in_features, int64_t out_features,
                         void* scratch, cudaStream_t stream);

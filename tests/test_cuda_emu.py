@@ -1,0 +1,229 @@
+"""The CUDA LoraSGMV kernels run on the CPU under the emulator, vs the numpy reference.
+
+The kernel source custom_ops/cuda/lora_sgmv_kernels.cu, the host plan (sgmv_plan.cc) and the
+SgmvArgs layout are the ones the device uses; tests/cuda_emu_build.py compiles them with g++
+against the emulator (custom_ops/cuda/emu/). The emulator's own self-tests show it catches a
+missing barrier, mismatched barriers and a bad shuffle, and that its host float16 / bfloat16
+conversions round to nearest even. Skipped, saying the CUDA kernels were not checked, only where
+no CUDA headers or g++ exist.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+
+import numpy as np
+import pytest
+from cuda_emu_build import EmuLibrary, build_emu_library, missing_tools
+
+from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
+from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
+
+TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2}  # relative to the output's scale
+SLOT_RANKS = [1, 7, 16, 33, 64, 0, 20]  # heterogeneous in one launch; slot 5 has rank 0
+LAYOUTS = {  # segment lengths; every layout has empty segments and base-only rows
+    "decode": [1, 1, 1, 0, 1, 1, 1, 1, 1],  # one-row tiles: BGMV
+    "rows_2_4": [2, 3, 0, 4, 2, 3],  # multi-row BGMV tiles
+    "prefill": [37, 0, 18, 21, 5],  # SGMV tiles + remainders (5: SGMV, 2: BGMV)
+    "mixed": [20, 1, 0, 3, 34, 2, 17],
+}
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory) -> EmuLibrary:
+    reason = missing_tools()
+    if reason:
+        pytest.skip(f"CUDA kernels NOT checked (emulator cannot be built): {reason}")
+    return EmuLibrary(build_emu_library(tmp_path_factory.mktemp("cuda_emu")))
+
+
+def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """16-bit storage: float16, or bfloat16 bits as uint16."""
+    return a.astype(np.float16) if dtype == "float16" else float32_to_bfloat16_bits(a)
+
+
+def to_float(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return a.astype(np.float32)
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+def make_case(rng, lengths: list[int], in_f: int, out_f: int, layer: int = 1) -> dict:
+    """Random adapters at unaligned pool offsets; random slots, one of them -1, one rank 0."""
+    placed = place_random_adapters(rng, SLOT_RANKS, in_f, out_f)
+    ranked = [s for s, r in enumerate(SLOT_RANKS) if r > 0]
+    slots = [-1, SLOT_RANKS.index(0)] + [int(rng.choice(ranked)) for _ in lengths[2:]]
+    slots = [int(s) for s in rng.permutation(slots)]  # base-only and rank-0 slots in each
+    num_layers = 3
+    ranks = np.tile(np.asarray(SLOT_RANKS, np.int32), (num_layers, 1))  # [L, slots]
+    scales = rng.uniform(0.5, 2.0, (num_layers, len(SLOT_RANKS))) * rng.choice([-1, 1])
+    meta = {
+        "seg_starts": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        "seg_slots": np.asarray(slots, np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": ranks,
+        "scales": scales.astype(np.float32),
+    }
+    rows = sum(lengths)
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)  # [T, in]
+    y = rng.standard_normal((rows, out_f)).astype(np.float32)  # [T, out]
+    return {"meta": meta, "x": x, "y": y, "placed": placed, "layer": layer}
+
+
+def run_case(emu: EmuLibrary, dtype: str, case: dict) -> tuple[np.ndarray, np.ndarray, list]:
+    """(got, want) float32 [T, out] and the 16-bit inputs (y, x, key, value)."""
+    placed = case["placed"]
+    inputs = [to_dtype(a, dtype) for a in (case["y"], case["x"])]
+    inputs += [to_dtype(placed.key_cache, dtype), to_dtype(placed.value_cache, dtype)]
+    got = to_float(emu.sgmv(dtype, *inputs, case["meta"], case["layer"]), dtype)
+    f = [to_float(a, dtype) for a in inputs]  # the rounded inputs, as the kernel sees them
+    want = lora_sgmv(*f, *case["meta"].values(), layer=case["layer"])
+    return got, want, inputs
+
+
+def lora_rows(meta: dict, layer: int) -> np.ndarray:
+    """bool [T]: rows with an adapter of rank > 0 (the others must come back as y, bit-exact)."""
+    starts, slots = meta["seg_starts"], meta["seg_slots"]
+    mask = np.zeros(starts[-1], bool)
+    for s, slot in enumerate(slots):
+        if slot >= 0 and meta["ranks"][layer, slot] > 0:
+            mask[starts[s] : starts[s + 1]] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kernels_match_reference(emu, dtype, layout):
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, layout)).encode()))
+    case = make_case(rng, LAYOUTS[layout], in_f=136, out_f=300)  # not multiples of 64 / 256
+    offsets = np.concatenate([case["meta"]["a_offsets"].ravel(), case["meta"]["b_offsets"].ravel()])
+    offsets = offsets[offsets >= 0]
+    assert (offsets % 2 == 1).any(), "the case must have rows at odd element offsets"
+    assert (offsets >= case["placed"].key_cache.size).any(), "and rows in value_cache"
+    got, want, inputs = run_case(emu, dtype, case)
+    assert np.isfinite(got).all(), "the kernels read pool, shared or scratch memory never written"
+    lora = lora_rows(case["meta"], case["layer"])
+    assert lora.any() and not lora.all(), "the layout must mix LoRA and base-only rows"
+    np.testing.assert_array_equal(got[~lora], to_float(inputs[0], dtype)[~lora])
+    atol = TOLERANCE[dtype] * np.abs(want).max()
+    delta = np.abs(want - to_float(inputs[0], dtype))[lora].max()
+    assert delta > 20 * atol, "the LoRA delta must be far above the tolerance"
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+def test_every_rank_and_tile_kind_in_one_launch(emu):
+    """All slots, decode and prefill segments together: SGMV and BGMV tiles of every rank."""
+    rng = np.random.default_rng(11)
+    lengths = [1, 18, 3, 35, 2, 17, 4, 1, 0, 21, 1, 6, 1]
+    case = make_case(rng, lengths, in_f=72, out_f=264)
+    case["meta"]["seg_slots"] = np.asarray([0, 1, 2, 3, 4, 5, -1, 6, 0, 1, 2, 3, 4], np.int32)
+    got, want, _ = run_case(emu, "float16", case)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_emulator_stack_and_shared_memory(emu):
+    """Fiber stacks are far from full; the poisoned section holds the kernels' shared arrays."""
+    rng = np.random.default_rng(3)
+    run_case(emu, "bfloat16", make_case(rng, [19, 2, 1], in_f=100, out_f=40))
+    stats = emu.stats()
+    assert stats["switches"] > 0
+    assert 0 < stats["stack_used"] < stats["stack_bytes"] // 4, stats
+    # ShrinkSgmv xs + as (2 x 16 x 65 floats), ExpandTiles vs (16 x 512 floats), x 2 dtypes.
+    assert emu.lib.ort_lora_emu_shared_bytes() >= 2 * (2 * 16 * 65 + 16 * 512) * 4
+
+
+BAD_INPUTS = [
+    ("a_offsets", lambda m: m["a_offsets"].__setitem__((0, 0), 10**9), r"a_offsets\[0, 0\]"),
+    ("b_offsets", lambda m: m["b_offsets"].__setitem__((3, 5), -4), r"b_offsets\[3, 5\] = -4"),
+    ("seg_starts", lambda m: m["seg_starts"].__setitem__(2, 0), r"seg_starts is non-monotonic"),
+    ("seg_slots", lambda m: m["seg_slots"].__setitem__(0, 7), r"seg_slots\[0\] = 7 must be in"),
+    ("ranks", lambda m: m["ranks"].__setitem__((1, 3), 65), r"ranks\[1, 3\] = 65 must be in"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_invalid_metadata_is_a_clear_error(emu, name, corrupt, message):
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [2, 1, 3], in_f=64, out_f=64)
+    case["meta"]["seg_slots"] = np.asarray([0, 3, 4], np.int32)
+    corrupt(case["meta"])
+    with pytest.raises(ValueError, match=message):
+        run_case(emu, "float16", case)
+
+
+def test_bad_dtype_is_a_clear_error(emu):
+    i64, null = ctypes.c_int64(0), ctypes.c_void_p()
+    args = [null] * 5 + [i64, null, null, i64, null, null, i64, i64, null, null] + [i64] * 5
+    rc = emu.lib.ort_lora_emu_sgmv(ctypes.c_int(2), *args)
+    assert rc == -1 and emu.error(rc) == "dtype must be 0 (float16) or 1 (bfloat16), got 2"
+
+
+# --- the emulator itself ---------------------------------------------------------------------
+
+
+def test_barrier_orders_shared_memory_and_a_missing_one_shows(emu):
+    rng = np.random.default_rng(1)
+    blocks, n = 2, 96
+    data = rng.standard_normal(blocks * n).astype(np.float32)
+    want = data.reshape(blocks, n)[:, ::-1].ravel()
+    rc, out = emu.selftest(0, data, blocks, n)
+    assert rc == 0, emu.error(rc)
+    np.testing.assert_array_equal(out, want)
+    rc, out = emu.selftest(1, data, blocks, n)  # no __syncthreads
+    assert rc == 0, emu.error(rc)
+    # Thread t runs before thread n-1-t for t < n/2: it reads the poison (NaN) in every block.
+    early = np.tile(np.arange(n) < n // 2, blocks)
+    assert np.isnan(out[early]).all(), "a read before the write must see the poison"
+    np.testing.assert_array_equal(out[~early], want[~early])
+
+
+def test_warp_shuffle_reduction(emu):
+    rng = np.random.default_rng(2)
+    data = rng.integers(-1000, 1000, 3 * 64).astype(np.float32)  # exact sums
+    rc, out = emu.selftest(2, data, 3, 64)
+    assert rc == 0, emu.error(rc)
+    np.testing.assert_array_equal(out[:6], data.reshape(6, 32).sum(axis=1))
+
+
+def test_mismatched_barriers_are_a_deadlock_error(emu):
+    rc, _ = emu.selftest(3, np.zeros(64, np.float32), 1, 64)
+    assert rc != 0
+    msg = emu.error(rc)
+    assert "MismatchedBarriers block (0, 0, 0): deadlock" in msg, msg
+    assert "33 threads wait at __syncthreads, 31 at __shfl_xor_sync" in msg, msg
+
+
+def test_shuffle_from_an_exited_lane_is_an_error(emu):
+    rc, _ = emu.selftest(4, np.zeros(32, np.float32), 1, 32)
+    assert rc != 0
+    assert "ShuffleFromExitedLane" in emu.error(rc) and "source lane 1" in emu.error(rc)
+    rc, out = emu.selftest(2, np.ones(32, np.float32), 1, 32)  # the next launch runs again
+    assert rc == 0 and out[0] == 32
+
+
+def rounding_inputs(rng) -> np.ndarray:
+    """float32: random magnitudes, exact ties for float16 and bfloat16, specials, subnormals."""
+    normal = rng.standard_normal(4000) * np.exp2(rng.integers(-30, 20, 4000))
+    h = rng.integers(1, 0x7BFF, 2000).astype(np.uint16).view(np.float16).astype(np.float32)
+    h_next = np.nextafter(h.astype(np.float16), np.float16(np.inf)).astype(np.float32)
+    top = rng.integers(0, 0x7F80, 2000).astype(np.uint32) | rng.choice([0, 0x8000], 2000)
+    bf = (top << 16 | 0x8000).view(np.float32)  # finite, exactly between two bfloat16
+    specials = [0.0, -0.0, np.inf, -np.inf, 65519.0, 65520.0, 1e-8, 6e-8, 3e38, -3.4e38]
+    values = [normal, (h + h_next) / 2, bf, np.asarray(specials)]
+    return np.concatenate(values).astype(np.float32)
+
+
+def test_host_conversions_round_to_nearest_even(emu):
+    torch = pytest.importorskip("torch")
+    values = rounding_inputs(np.random.default_rng(4))
+    bits, back = emu.round("float16", values)
+    with np.errstate(over="ignore"):  # values past 65504 round to inf, as they should
+        want = values.astype(np.float16)
+    np.testing.assert_array_equal(bits, want.view(np.uint16))
+    np.testing.assert_array_equal(back, want.astype(np.float32))
+    bits, back = emu.round("bfloat16", values)
+    want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bits, want)
+    np.testing.assert_array_equal(back, (want.astype(np.uint32) << 16).view(np.float32))
