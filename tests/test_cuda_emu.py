@@ -49,15 +49,17 @@ def to_float(a: np.ndarray, dtype: str) -> np.ndarray:
     return (a.astype(np.uint32) << 16).view(np.float32)
 
 
-def make_case(rng, lengths: list[int], in_f: int, out_f: int, layer: int = 1) -> dict:
-    """Random adapters at unaligned pool offsets; random slots, one of them -1, one rank 0."""
-    placed = place_random_adapters(rng, SLOT_RANKS, in_f, out_f)
-    ranked = [s for s, r in enumerate(SLOT_RANKS) if r > 0]
-    slots = [-1, SLOT_RANKS.index(0)] + [int(rng.choice(ranked)) for _ in lengths[2:]]
-    slots = [int(s) for s in rng.permutation(slots)]  # base-only and rank-0 slots in each
-    num_layers = 3
-    ranks = np.tile(np.asarray(SLOT_RANKS, np.int32), (num_layers, 1))  # [L, slots]
-    scales = rng.uniform(0.5, 2.0, (num_layers, len(SLOT_RANKS))) * rng.choice([-1, 1])
+def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RANKS) -> dict:
+    """Random adapters at unaligned pool offsets; random slots, one of them -1 (base only) and
+    one of a rank-0 slot if there is one."""
+    placed = place_random_adapters(rng, slot_ranks, in_f, out_f)
+    ranked = [s for s, r in enumerate(slot_ranks) if r > 0]
+    slots = [-1] + [s for s, r in enumerate(slot_ranks) if r == 0][:1]
+    slots += [int(rng.choice(ranked)) for _ in lengths[len(slots) :]]
+    slots = [int(s) for s in rng.permutation(slots)]
+    num_layers, layer = 3, 1
+    ranks = np.tile(np.asarray(slot_ranks, np.int32), (num_layers, 1))  # [L, slots]
+    scales = rng.uniform(0.5, 2.0, (num_layers, len(slot_ranks))) * rng.choice([-1, 1])
     meta = {
         "seg_starts": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
         "seg_slots": np.asarray(slots, np.int32),
@@ -93,6 +95,19 @@ def lora_rows(meta: dict, layer: int) -> np.ndarray:
     return mask
 
 
+def check_case(emu: EmuLibrary, dtype: str, case: dict) -> None:
+    """Kernels vs reference: base-only rows bit-exact, LoRA rows within the dtype's tolerance."""
+    got, want, inputs = run_case(emu, dtype, case)
+    assert np.isfinite(got).all(), "the kernels read pool, shared or scratch memory never written"
+    lora = lora_rows(case["meta"], case["layer"])
+    assert lora.any() and not lora.all(), "the layout must mix LoRA and base-only rows"
+    y = to_float(inputs[0], dtype)
+    np.testing.assert_array_equal(got[~lora], y[~lora])
+    atol = TOLERANCE[dtype] * np.abs(want).max()
+    assert np.abs(want - y)[lora].max() > 20 * atol, "the LoRA delta must be far above the tol"
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kernels_match_reference(emu, dtype, layout):
@@ -102,15 +117,7 @@ def test_kernels_match_reference(emu, dtype, layout):
     offsets = offsets[offsets >= 0]
     assert (offsets % 2 == 1).any(), "the case must have rows at odd element offsets"
     assert (offsets >= case["placed"].key_cache.size).any(), "and rows in value_cache"
-    got, want, inputs = run_case(emu, dtype, case)
-    assert np.isfinite(got).all(), "the kernels read pool, shared or scratch memory never written"
-    lora = lora_rows(case["meta"], case["layer"])
-    assert lora.any() and not lora.all(), "the layout must mix LoRA and base-only rows"
-    np.testing.assert_array_equal(got[~lora], to_float(inputs[0], dtype)[~lora])
-    atol = TOLERANCE[dtype] * np.abs(want).max()
-    delta = np.abs(want - to_float(inputs[0], dtype))[lora].max()
-    assert delta > 20 * atol, "the LoRA delta must be far above the tolerance"
-    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    check_case(emu, dtype, case)
 
 
 def test_every_rank_and_tile_kind_in_one_launch(emu):
@@ -119,8 +126,24 @@ def test_every_rank_and_tile_kind_in_one_launch(emu):
     lengths = [1, 18, 3, 35, 2, 17, 4, 1, 0, 21, 1, 6, 1]
     case = make_case(rng, lengths, in_f=72, out_f=264)
     case["meta"]["seg_slots"] = np.asarray([0, 1, 2, 3, 4, 5, -1, 6, 0, 1, 2, 3, 4], np.int32)
-    got, want, _ = run_case(emu, "float16", case)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    check_case(emu, "float16", case)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_largest_rank(emu, dtype):
+    """Rank 512 (kMaxCudaRank: ExpandTiles' shared v is full) next to rank 3, decode + prefill."""
+    rng = np.random.default_rng(zlib.crc32(dtype.encode()))
+    case = make_case(rng, [1, 17, 2, 0, 3], in_f=40, out_f=36, slot_ranks=[512, 3])
+    case["meta"]["seg_slots"] = np.asarray([0, 0, -1, 1, 0], np.int32)
+    check_case(emu, dtype, case)
+
+
+def test_a_rank_over_the_kernel_limit_is_a_clear_error(emu):
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [2, 1], in_f=16, out_f=16, slot_ranks=[513])
+    message = r"ranks\[1, 0\] = 513 is over the CUDA kernel's limit 512"
+    with pytest.raises(ValueError, match=message):
+        run_case(emu, "float16", case)
 
 
 def test_emulator_stack_and_shared_memory(emu):

@@ -17,7 +17,7 @@ extern "C" char __stop_ort_lora_emu_shared[] __attribute__((weak));
 namespace ort_lora::emu {
 namespace {
 
-constexpr size_t kStackBytes = 64 << 10;  // per fiber; the high-water mark is reported
+constexpr size_t kStackBytes = 32 << 10;  // per fiber; the kernels use < 1 KiB (reported)
 constexpr size_t kGuardBytes = 4096;      // PROT_NONE below each stack: overflow faults
 constexpr unsigned char kStackPaint = 0xa5;
 constexpr int kMaxThreads = 1024;
