@@ -41,6 +41,10 @@ class EngineConfig:
                             the Scheduler; a Scheduler given None bounds requests by the pool)
     max_adapter_wait_steps: steps a request blocked by the max_loras cap may be passed over
                             by later requests before admission stops for them (fairness)
+    prefetch_adapters:      load the adapters of waiting requests into FREE pages ahead of
+                            their admission (S-LoRA prefetch: on a GPU the copy overlaps with
+                            the running step); None = on for device cuda, off for cpu (CPU
+                            copies are synchronous: there is nothing to overlap)
     """
 
     max_num_seqs: int = 64
@@ -52,6 +56,7 @@ class EngineConfig:
     block_size: int | None = None
     max_model_len: int | None = None
     max_adapter_wait_steps: int = 4
+    prefetch_adapters: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras"):

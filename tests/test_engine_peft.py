@@ -130,8 +130,17 @@ def _lora(name, adapter_dirs):
     return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapter_dirs[name]))
 
 
-def test_mixed_batch_matches_peft(tiny_llama_export, hf_model, adapter_dirs, requests):
-    llm = LLM(tiny_llama_export, num_pages=256, max_loras=4)
+@pytest.mark.parametrize(
+    "limits",
+    [
+        dict(max_loras=4),
+        # one adapter at a time, two sequences: requests wait, and their adapters are put
+        # into free pages ahead of admission (prefetch), then used from there
+        dict(max_loras=1, max_num_seqs=2, prefetch_adapters=True),
+    ],
+)
+def test_mixed_batch_matches_peft(tiny_llama_export, hf_model, adapter_dirs, requests, limits):
+    llm = LLM(tiny_llama_export, num_pages=256, **limits)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in requests],
@@ -153,6 +162,9 @@ def test_mixed_batch_matches_peft(tiny_llama_export, hf_model, adapter_dirs, req
                     err_msg=f"adapter {name} pos {pos} token {token}",
                 )
         assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
+    stats = llm.engine.pool.stats()
+    prefetched = stats.adapter_loads - stats.adapter_misses  # loads no admission waited for
+    assert (prefetched > 0) == bool(limits.get("prefetch_adapters"))
 
 
 def test_adapters_change_the_output(tiny_llama_export, adapter_dirs):

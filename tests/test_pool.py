@@ -160,3 +160,27 @@ def test_unified_memory_flows_both_ways(seed):
         pool.release_adapter(a)
         assert pool.drop_adapter(a)
     assert pool.stats().free_pages == num_pages
+
+
+def test_prefetch_takes_free_pages_only_and_reports_evictions():
+    pool = PagePool(8)
+    pool.acquire_adapter("a", 2)
+    pool.release_adapter("a")  # idle: evictable, but a prefetch never evicts it
+    kv = pool.allocate_kv(3)
+    assert pool.prefetch_adapter("b", 4) is None  # 3 free pages: nothing changes
+    assert pool.num_free == 3 and not pool.is_resident("b")
+    pages = pool.prefetch_adapter("b", 3)
+    assert sorted(pages) == sorted(set(range(8)) - set(kv) - set(pool.adapter_pages("a")))
+    assert pool.refcount("b") == 0 and pool.prefetch_adapter("b", 3) is None  # resident
+    s = pool.stats()
+    assert (s.adapter_loads, s.adapter_misses, s.adapter_pages_idle) == (2, 1, 5)
+    assert pool.acquire_adapter("b", 3) == (pages, False)  # a hit: the weights are in
+    pool.release_adapter("b")
+    assert pool.take_evicted() == []
+    pool.allocate_kv(3)  # "a" is least recently used: evicted, then 1 page of "b"'s
+    assert pool.take_evicted() == ["a", "b"] and pool.take_evicted() == []
+    pool.acquire_adapter("c", 1)
+    pool.release_adapter("c")
+    assert pool.drop_adapter("c") and pool.take_evicted() == ["c"]
+    with pytest.raises(ValueError, match="num_pages must be >= 1"):
+        pool.prefetch_adapter("d", 0)

@@ -54,19 +54,32 @@ def reference_output(seq: Sequence, use_eos: bool) -> list[int]:
 
 
 class FakePagedModel:
-    """Token ids stored in pool pages; adapters leave a marker in their pages when loaded."""
+    """Token ids stored in pool pages; adapters leave a marker in their pages when loaded.
+
+    It also keeps which pages hold a loaded adapter that no plan has reported evicted: such
+    a page must not be written (KV or another adapter) before its eviction is reported, or a
+    GPU step would not know to wait for a copy still in flight into it.
+    """
 
     def __init__(self, num_pages: int, block_size: int):
         self.bs = block_size
         self.cache = np.full(num_pages * block_size, -1, np.int64)  # [num_pages * block_size]
+        self.live: dict = {}  # adapter id -> pages, loaded and not reported evicted
 
     def run(self, plan, meta) -> np.ndarray:
-        for a in plan.loads:
+        for aid in plan.evicted:
+            self.live.pop(aid, None)
+        owned = {p: aid for aid, pages in self.live.items() for p in pages}
+        for a in plan.loads + plan.prefetch:
+            assert not set(a.pages) & set(owned), f"{a.adapter_id} loaded over a live adapter"
             for p in a.pages:
                 self.cache[p * self.bs : (p + 1) * self.bs] = marker(a.adapter_id)
+            self.live[a.adapter_id] = a.pages
         for a in plan.adapters:  # a resident adapter's pages were never overwritten
             for p in a.pages:
                 assert (self.cache[p * self.bs : (p + 1) * self.bs] == marker(a.adapter_id)).all()
+        kv_pages = set((meta[C.SLOT_MAPPING] // self.bs).tolist())
+        assert not kv_pages & set(owned), "KV written into a live adapter's page"
         self.cache[meta[C.SLOT_MAPPING]] = meta[C.INPUT_IDS]
         cu, pos, table = meta[C.CU_SEQLENS], meta[C.POSITION_IDS], meta[C.BLOCK_TABLE]
         seg_starts, seg_slots = meta[C.LORA_SEG_STARTS], meta[C.LORA_SEG_SLOTS]
@@ -233,8 +246,10 @@ def test_preempts_newest_and_recompute_restores_it():
 
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
-def test_outputs_match_running_alone(seed):
-    """Random mix (adapters, base, long prompts, prompt logprobs, EOS) in a tight pool."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_outputs_match_running_alone(seed, prefetch):
+    """Random mix (adapters, base, long prompts, prompt logprobs, EOS) in a tight pool; with
+    prefetch, waiting requests' adapters also go into free pages ahead of admission."""
     rng = random.Random(seed)
     sched = make_scheduler(
         num_pages=24,
@@ -243,6 +258,7 @@ def test_outputs_match_running_alone(seed):
         max_loras=3,
         max_adapter_wait_steps=2,
         max_model_len=48,
+        prefetch_adapters=prefetch,
     )
     adapters = [None, "A", "B", "C", "D", "E"]
     adapter_pages = {a: rng.randint(1, 3) for a in adapters}
@@ -282,6 +298,8 @@ def test_outputs_match_running_alone(seed):
     s = sched.pool.stats()
     assert s.kv_pages == 0 and s.adapter_pages_pinned == 0
     assert s.free_pages + s.adapter_pages_idle == 24 and s.adapter_evictions > 0
+    assert any(p.prefetch for p in plans) == prefetch
+    assert any(p.evicted for p in plans)
 
 
 def test_prompt_logprob_rows():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +76,8 @@ class LLMEngine:
             self.model_dir, self.num_pages, intra_op_num_threads, device=device
         )
         self.pool = PagePool(self.num_pages)
+        if self.config.prefetch_adapters is None:  # copies overlap with steps only on a GPU
+            self.config = replace(self.config, prefetch_adapters=device == "cuda")
         self.scheduler = Scheduler(self.config, self.pool)
         self.registry = AdapterRegistry(self.manifest, self.config.max_cpu_loras, adapter_root)
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
@@ -223,14 +225,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        for a in plan.loads:
+        for a in plan.loads + plan.prefetch:
             write = functools.partial(self.registry.write_to_pool, a.adapter_id)
             self.session.load_adapter(a.adapter_id, a.pages, write)
         t1 = time.perf_counter()
         inputs = build_metadata(plan, self.manifest.block_size, buffers=self.buffers)
         inputs.update(self.registry.lora_step_inputs(plan.lora_slots, self.num_pages))
         t2 = time.perf_counter()
-        used = [aid for _, aid, _ in plan.lora_slots]
+        # wait for the step's adapters, and for copies into pages evicted while scheduling
+        used = [aid for _, aid, _ in plan.lora_slots] + list(plan.evicted)
         logits = self.session.run(inputs, used)  # [plan.num_logit_rows, vocab]
         t3 = time.perf_counter()
         touched = self._postprocess(plan, logits)

@@ -20,6 +20,14 @@ API (the engine and scheduler call only these):
                                 pages (evicting idle adapters LRU, never a pinned one), True:
                                 the caller must copy the weights in before the next run.
                                 Raises PoolExhausted when impossible (nothing changes).
+  prefetch_adapter(id, n) -> pages | None
+                                make a non-resident adapter resident in n FREE pages, idle
+                                (never evicts anything for it); None if resident or the free
+                                list is short. The caller copies the weights in; a later
+                                acquire is a hit
+  take_evicted() -> list        adapter ids evicted or dropped since the last call (their
+                                pages were reused: a GPU copy still in flight into them must
+                                be waited for before the pages are written again)
   release_adapter(id)           refcount - 1; the adapter stays resident, idle when 0
   drop_adapter(id) -> bool      free an idle adapter's pages now (unload); False if it is
                                 pinned (refcount > 0) or not resident
@@ -73,6 +81,7 @@ class PagePool:
         self._kv: set[int] = set()
         self._adapters: OrderedDict[Hashable, _Resident] = OrderedDict()
         self._loads = self._evictions = self._hits = self._misses = 0
+        self._evicted: list[Hashable] = []  # since the last take_evicted()
         # adapter id -> {"loads", "evictions", "hits", "misses"}: per-adapter /metrics figures
         self.adapter_counters: dict[Hashable, dict[str, int]] = {}
 
@@ -110,6 +119,7 @@ class PagePool:
     def _evict_lru(self) -> None:
         victim = next(a for a, r in self._adapters.items() if r.refcount == 0)
         self._free.extend(self._adapters.pop(victim).pages)
+        self._evicted.append(victim)
         self._evictions += 1
         self._count(victim, "evictions")
 
@@ -162,6 +172,23 @@ class PagePool:
         self._count(adapter_id, "misses", "loads")
         return list(pages), True
 
+    def prefetch_adapter(self, adapter_id: Hashable, num_pages: int) -> list[int] | None:
+        """Make an adapter resident and idle in free pages only; see the module docstring."""
+        if adapter_id in self._adapters or num_pages > len(self._free):
+            return None
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"adapter {adapter_id!r}: num_pages must be >= 1, got {num_pages!r}")
+        pages = [self._free.popleft() for _ in range(num_pages)]
+        self._adapters[adapter_id] = _Resident(pages, refcount=0)
+        self._loads += 1
+        self._count(adapter_id, "loads")
+        return list(pages)
+
+    def take_evicted(self) -> list[Hashable]:
+        """Adapter ids whose pages were taken back since the last call."""
+        out, self._evicted = self._evicted, []
+        return out
+
     def release_adapter(self, adapter_id: Hashable) -> None:
         """Unpin once; the adapter stays resident (idle and evictable at refcount 0)."""
         resident = self._adapters.get(adapter_id)
@@ -175,6 +202,7 @@ class PagePool:
         if resident is None or resident.refcount > 0:
             return False
         self._free.extend(self._adapters.pop(adapter_id).pages)
+        self._evicted.append(adapter_id)
         return True
 
     def is_resident(self, adapter_id: Hashable) -> bool:

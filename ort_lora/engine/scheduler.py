@@ -4,7 +4,7 @@ The engine loop, one step:
 
     plan = scheduler.schedule()                    # StepPlan, entries ordered by slot
     if plan.is_empty: wait for requests
-    for a in plan.loads:                           # copy weights into their fresh pages
+    for a in plan.loads + plan.prefetch:           # copy weights into their fresh pages
         registry.write_to_pool(a.adapter_id, a.pages, session.pool)
     inputs = build_metadata(plan, block_size, buffers=buffers)
     inputs |= registry.lora_step_inputs(plan.lora_slots, num_pages)
@@ -38,6 +38,12 @@ Rules of schedule() (every step, Orca-style continuous batching):
    it (or to an older request ahead of it in the queue).
    So a rare adapter waits at most max_adapter_wait_steps steps + one running request's
    lifetime, however many requests of popular adapters keep arriving.
+4. Prefetch (config.prefetch_adapters): the waiting queue is walked in order once more and
+   the adapters of up to max_loras still-waiting requests that are not resident are put into
+   FREE pages (never evicting anything; the walk stops at the first that does not fit). They
+   are idle, so KV growth can still take their pages back; admitting their request later is
+   a hit. The engine copies them in with this step's loads; on a GPU the copy overlaps with
+   the step.
 """
 
 from __future__ import annotations
@@ -171,7 +177,8 @@ class Scheduler:
         self._schedule_prefills(step)
         if not preempted or not step.items:
             self._admit_waiting(step)
-        return self._plan(step, preempted)
+        prefetch = self._prefetch() if self.config.prefetch_adapters else []
+        return self._plan(step, preempted, prefetch)
 
     def _schedule_decodes(self, step: _Step) -> list[str]:
         preempted: list[str] = []
@@ -228,7 +235,21 @@ class Scheduler:
         insort(self.running, seq, key=lambda s: s.arrival)
         step.add(seq, min(seq.num_pending_tokens, step.budget))
 
-    def _plan(self, step: _Step, preempted: list[str]) -> StepPlan:
+    def _prefetch(self) -> list[StepAdapter]:
+        out: list[StepAdapter] = []
+        for seq in self.waiting:
+            aid = seq.adapter_id
+            if len(out) >= self.config.max_loras:
+                break
+            if aid is None or self.pool.is_resident(aid):
+                continue
+            pages = self.pool.prefetch_adapter(aid, seq.adapter_pages)
+            if pages is None:
+                break
+            out.append(StepAdapter(BASE_SLOT, aid, tuple(pages), needs_load=True))
+        return out
+
+    def _plan(self, step: _Step, preempted: list[str], prefetch: list[StepAdapter]) -> StepPlan:
         slots: dict[Hashable, int] = {}
         for seq, _ in step.items:
             if seq.adapter_id is not None:
@@ -238,7 +259,7 @@ class Scheduler:
             for aid, slot in slots.items()
         ]
         entries = [_entry(seq, n, slots.get(seq.adapter_id, BASE_SLOT)) for seq, n in step.items]
-        return make_plan(entries, adapters, preempted)
+        return make_plan(entries, adapters, preempted, prefetch, self.pool.take_evicted())
 
     # ---- after the step ---------------------------------------------------------------------
 

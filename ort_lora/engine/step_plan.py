@@ -64,11 +64,18 @@ class StepAdapter:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step: entries ordered by slot (base first), adapters by slot, preempted ids."""
+    """One step: entries ordered by slot (base first), adapters by slot, preempted ids.
+
+    prefetch: adapters of waiting requests put into free pages this step (slot -1, not used
+    by the step): load them now, nothing waits for them. evicted: adapter ids whose pages
+    were taken back while scheduling (a GPU step waits for their in-flight copies).
+    """
 
     entries: tuple[ScheduledSeq, ...]
     adapters: tuple[StepAdapter, ...]
     preempted: tuple[str, ...] = ()
+    prefetch: tuple[StepAdapter, ...] = ()
+    evicted: tuple[Hashable, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +104,8 @@ def make_plan(
     entries: Iterable[ScheduledSeq],
     adapters: Iterable[StepAdapter],
     preempted: Iterable[str] = (),
+    prefetch: Iterable[StepAdapter] = (),
+    evicted: Iterable[Hashable] = (),
 ) -> StepPlan:
     """Sort entries by slot (stable, base first) and set each entry's logits_offset."""
     ordered, offset = [], 0
@@ -105,7 +114,7 @@ def make_plan(
         offset += len(e.logit_rows)
     slots = sorted(adapters, key=lambda a: a.slot)
     assert [a.slot for a in slots] == list(range(len(slots))), "adapter slots must be 0..k-1"
-    return StepPlan(tuple(ordered), tuple(slots), tuple(preempted))
+    return StepPlan(tuple(ordered), tuple(slots), tuple(preempted), tuple(prefetch), tuple(evicted))
 
 
 class MetadataBuffers:
