@@ -29,7 +29,7 @@ HOST_SOURCES = [
     CUDA_DIR / "emu" / "emu_sgmv_c.cc",
 ]
 FLAGS = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-DORT_LORA_CUDA_EMU"]
-FLAGS += ["-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror"]
+FLAGS += ["-Wall", "-Wextra", "-Wno-unknown-pragmas"]
 DTYPES = {"float16": 0, "bfloat16": 1}
 
 

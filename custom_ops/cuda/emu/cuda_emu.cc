@@ -5,7 +5,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
-#include <cstdio>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -239,6 +239,8 @@ uint64_t ShuffleXor(unsigned mask, uint64_t bits, int lane_mask, int width) {
 }
 
 void RunGrid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body) {
+  static std::mutex shared_memory;  // one section for all: one launch at a time per process
+  const std::lock_guard<std::mutex> lock(shared_memory);
   Device& d = Dev();
   if (d.error != cudaSuccess || !CheckConfig(kernel, grid, block)) return;
   if (!AllocateStacks(d, NumThreads(block)))
