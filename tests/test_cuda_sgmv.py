@@ -7,6 +7,7 @@ CPU tests check that the library's CUDA helpers fail cleanly without one.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
 from ort_lora.runtime.cuda_pool import CudaError, CudaPool, CudaRuntime, float32_to_bfloat16_bits
-from ort_lora.runtime.cuda_sgmv import lora_sgmv_numpy
+from ort_lora.runtime.cuda_sgmv import lora_sgmv_numpy, lora_sgmv_ptrs
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}  # relative to the output's scale
 
@@ -114,3 +115,17 @@ def test_without_a_device_the_helpers_fail_cleanly():
 
     with pytest.raises(CudaError, match="no CUDA device is visible"):
         CudaPool(manifest(), 4, rt)
+
+
+def test_unknown_dtype_is_refused_before_any_cuda_call():
+    """Needs no device: the C entry checks dtype before it touches metadata or CUDA."""
+    rt = runtime_or_skip(need_device=False)
+    args = [ctypes.c_int(7)] + [ctypes.c_void_p(0)] * 5 + [ctypes.c_int64(0)]
+    args += [ctypes.c_void_p(0)] * 2 + [ctypes.c_int64(1)] + [ctypes.c_void_p(0)] * 2
+    args += [ctypes.c_int64(1)] * 2 + [ctypes.c_void_p(0)] * 2 + [ctypes.c_int64(1)]
+    args += [ctypes.c_int64(0)] + [ctypes.c_int64(1)] * 3 + [ctypes.c_void_p(0)]
+    assert rt.lib.ort_lora_cuda_sgmv(*args) == -1
+    msg = rt.lib.ort_lora_cuda_error_string(-1).decode()
+    assert msg == "dtype must be 0 (float16) or 1 (bfloat16), got 7"
+    with pytest.raises(ValueError, match="dtype must be float16 or bfloat16, got 'float32'"):
+        lora_sgmv_ptrs(rt, "float32", 0, 0, 0, 0, 0, 0, {}, 0, 1, 1, 1)

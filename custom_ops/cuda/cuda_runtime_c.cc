@@ -88,6 +88,11 @@ ORT_LORA_C int ort_lora_cuda_sgmv(int dtype, const void* x, const void* y, void*
                                   int64_t layer, int64_t num_rows, int64_t in_features,
                                   int64_t out_features, void* stream) {
   using namespace ort_lora;
+  if (dtype != static_cast<int>(SgmvDtype::kFloat16) &&
+      dtype != static_cast<int>(SgmvDtype::kBFloat16)) {
+    g_last_message = "dtype must be 0 (float16) or 1 (bfloat16), got " + std::to_string(dtype);
+    return kInvalidInput;
+  }
   const SgmvHostInputs in{seg_starts,   seg_slots,    a_offsets, b_offsets,   ranks, scales,
                           num_segments, num_slots,    max_rank,  num_layers,  layer, num_rows,
                           in_features,  out_features, key_cache, value_cache, half,  2};

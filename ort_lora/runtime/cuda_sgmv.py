@@ -22,6 +22,8 @@ def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key:
                    in_features: int, out_features: int, stream: int = 0) -> None:  # fmt: skip
     """Enqueue LoraSGMV on `stream`. x/y/y_out/key/value: device addresses; half: elements of
     key_cache; meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
     m = {
         "seg_starts": np.ascontiguousarray(meta["seg_starts"], np.int32),  # [S + 1]
         "seg_slots": np.ascontiguousarray(meta["seg_slots"], np.int32),  # [S]
