@@ -98,18 +98,13 @@ def cpu_ops(args) -> dict:
 
 def _kernel_case(rt, dtype, ranks, lengths, rng):
     from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
-    from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits as bf16
-    from ort_lora.runtime.cuda_sgmv import lora_sgmv_numpy
+    from ort_lora.runtime.cuda_sgmv import from_storage, lora_sgmv_numpy, to_storage
 
     def to(a):
-        return a.astype(np.float16) if dtype == "float16" else bf16(a)
+        return to_storage(a, dtype)
 
     def back(a):
-        return (
-            a.astype(np.float32)
-            if dtype == "float16"
-            else (a.astype(np.uint32) << 16).view(np.float32)
-        )  # noqa: E501
+        return from_storage(a, dtype)
 
     in_f, out_f = 576, 1536
     placed = place_random_adapters(rng, ranks, in_f, out_f, page_shape=(16, 3, 64))

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ort_lora.runtime.cuda_sgmv import DTYPES, sgmv_c_args
+
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "custom_ops" / "cuda"
 SHARED_SECTION = "ort_lora_emu_shared"
@@ -30,7 +32,6 @@ HOST_SOURCES = [
 ]
 FLAGS = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-DORT_LORA_CUDA_EMU"]
 FLAGS += ["-Wall", "-Wextra", "-Wno-unknown-pragmas"]
-DTYPES = {"float16": 0, "bfloat16": 1}
 
 
 def cuda_include_dir() -> Path | None:
@@ -111,25 +112,12 @@ class EmuLibrary:
         arrays = [np.ascontiguousarray(a) for a in (x, y, key_cache, value_cache)]
         if any(a.itemsize != 2 for a in arrays):
             raise ValueError("x, y, key_cache and value_cache must be 16-bit arrays")
-        m = {
-            "seg_starts": np.ascontiguousarray(meta["seg_starts"], np.int32),  # [S + 1]
-            "seg_slots": np.ascontiguousarray(meta["seg_slots"], np.int32),  # [S]
-            "a_offsets": np.ascontiguousarray(meta["a_offsets"], np.int64),  # [slots, max_rank]
-            "b_offsets": np.ascontiguousarray(meta["b_offsets"], np.int64),  # [slots, max_rank]
-            "ranks": np.ascontiguousarray(meta["ranks"], np.int32),  # [L, slots]
-            "scales": np.ascontiguousarray(meta["scales"], np.float32),  # [L, slots]
-        }
         out = np.empty_like(arrays[1])  # [T, out]
-        p = [a.ctypes.data_as(ctypes.c_void_p) for a in (*arrays, out)]
-        mp = {k: a.ctypes.data_as(ctypes.c_void_p) for k, a in m.items()}
-        i64 = ctypes.c_int64
-        rc = self.lib.ort_lora_emu_sgmv(
-            ctypes.c_int(DTYPES[dtype]), p[0], p[1], p[4], p[2], p[3], i64(arrays[2].size),
-            mp["seg_starts"], mp["seg_slots"], i64(len(m["seg_slots"])), mp["a_offsets"],
-            mp["b_offsets"], i64(m["a_offsets"].shape[0]), i64(m["a_offsets"].shape[1]),
-            mp["ranks"], mp["scales"], i64(m["ranks"].shape[0]), i64(layer),
-            i64(arrays[1].shape[0]), i64(arrays[0].shape[1]), i64(arrays[1].shape[1]),
-        )  # fmt: skip
+        p = [a.ctypes.data for a in (*arrays, out)]
+        args, _keep = sgmv_c_args(dtype, p[0], p[1], p[4], p[2], p[3], arrays[2].size, meta,
+                                  layer, arrays[1].shape[0], arrays[0].shape[1],
+                                  arrays[1].shape[1])  # fmt: skip
+        rc = self.lib.ort_lora_emu_sgmv(*args)
         if rc != 0:
             raise (ValueError if rc == -1 else RuntimeError)(f"LoraSGMV(emu): {self.error(rc)}")
         return out

@@ -18,7 +18,7 @@ import pytest
 from cuda_emu_build import EmuLibrary, build_emu_library, missing_tools
 
 from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
-from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
+from ort_lora.runtime.cuda_sgmv import from_storage, to_storage
 
 TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2}  # relative to the output's scale
 SLOT_RANKS = [1, 7, 16, 33, 64, 0, 20]  # heterogeneous in one launch; slot 5 has rank 0
@@ -36,17 +36,6 @@ def emu(tmp_path_factory) -> EmuLibrary:
     if reason:
         pytest.skip(f"CUDA kernels NOT checked (emulator cannot be built): {reason}")
     return EmuLibrary(build_emu_library(tmp_path_factory.mktemp("cuda_emu")))
-
-
-def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
-    """16-bit storage: float16, or bfloat16 bits as uint16."""
-    return a.astype(np.float16) if dtype == "float16" else float32_to_bfloat16_bits(a)
-
-
-def to_float(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float16":
-        return a.astype(np.float32)
-    return (a.astype(np.uint32) << 16).view(np.float32)
 
 
 def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RANKS) -> dict:
@@ -77,10 +66,10 @@ def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RA
 def run_case(emu: EmuLibrary, dtype: str, case: dict) -> tuple[np.ndarray, np.ndarray, list]:
     """(got, want) float32 [T, out] and the 16-bit inputs (y, x, key, value)."""
     placed = case["placed"]
-    inputs = [to_dtype(a, dtype) for a in (case["y"], case["x"])]
-    inputs += [to_dtype(placed.key_cache, dtype), to_dtype(placed.value_cache, dtype)]
-    got = to_float(emu.sgmv(dtype, *inputs, case["meta"], case["layer"]), dtype)
-    f = [to_float(a, dtype) for a in inputs]  # the rounded inputs, as the kernel sees them
+    inputs = [to_storage(a, dtype) for a in (case["y"], case["x"])]
+    inputs += [to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)]
+    got = from_storage(emu.sgmv(dtype, *inputs, case["meta"], case["layer"]), dtype)
+    f = [from_storage(a, dtype) for a in inputs]  # the rounded inputs, as the kernel sees them
     want = lora_sgmv(*f, *case["meta"].values(), layer=case["layer"])
     return got, want, inputs
 
@@ -101,7 +90,7 @@ def check_case(emu: EmuLibrary, dtype: str, case: dict) -> None:
     assert np.isfinite(got).all(), "the kernels read pool, shared or scratch memory never written"
     lora = lora_rows(case["meta"], case["layer"])
     assert lora.any() and not lora.all(), "the layout must mix LoRA and base-only rows"
-    y = to_float(inputs[0], dtype)
+    y = from_storage(inputs[0], dtype)
     np.testing.assert_array_equal(got[~lora], y[~lora])
     atol = TOLERANCE[dtype] * np.abs(want).max()
     assert np.abs(want - y)[lora].max() > 20 * atol, "the LoRA delta must be far above the tol"

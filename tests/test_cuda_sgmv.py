@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
-from ort_lora.runtime.cuda_pool import CudaError, CudaPool, CudaRuntime, float32_to_bfloat16_bits
-from ort_lora.runtime.cuda_sgmv import lora_sgmv_numpy, lora_sgmv_ptrs
+from ort_lora.runtime.cuda_pool import CudaError, CudaPool, CudaRuntime
+from ort_lora.runtime.cuda_sgmv import from_storage, lora_sgmv_numpy, lora_sgmv_ptrs, to_storage
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}  # relative to the output's scale
 
@@ -28,17 +28,6 @@ def runtime_or_skip(need_device: bool) -> CudaRuntime:
     if need_device and rt.device_count() < 1:
         pytest.skip("no CUDA device visible (cudaGetDeviceCount = 0): the kernels need a GPU")
     return rt
-
-
-def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
-    """16-bit storage: float16, or bfloat16 bits as uint16."""
-    return a.astype(np.float16) if dtype == "float16" else float32_to_bfloat16_bits(a)
-
-
-def to_float(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float16":
-        return a.astype(np.float32)
-    return (a.astype(np.uint32) << 16).view(np.float32)
 
 
 def segments(layout: str, num_slots: int, rng) -> tuple[list[int], list[int]]:
@@ -75,11 +64,11 @@ def test_kernel_matches_reference(dtype, ranks, layout):
         "ranks": np.tile(np.asarray(ranks, np.int32), (3, 1)),
         "scales": rng.uniform(0.5, 2.0, (3, len(ranks))).astype(np.float32),
     }
-    x = to_dtype(rng.standard_normal((rows, in_f)).astype(np.float32), dtype)
-    y = to_dtype(rng.standard_normal((rows, out_f)).astype(np.float32), dtype)
-    key, value = to_dtype(placed.key_cache, dtype), to_dtype(placed.value_cache, dtype)
-    got = to_float(lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer), dtype)
-    f = [to_float(a, dtype) for a in (y, x, key, value)]
+    x = to_storage(rng.standard_normal((rows, in_f)).astype(np.float32), dtype)
+    y = to_storage(rng.standard_normal((rows, out_f)).astype(np.float32), dtype)
+    key, value = to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)
+    got = from_storage(lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer), dtype)
+    f = [from_storage(a, dtype) for a in (y, x, key, value)]
     want = lora_sgmv(*f, *meta.values(), layer=layer)
     assert np.isfinite(got).all(), "the kernel read pool elements outside the adapter rows"
     scale = np.abs(want).max()

@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include "cuda/sgmv_plan.h"
@@ -79,30 +78,11 @@ ORT_LORA_C int ort_lora_cuda_memcpy_2d_async(void* dst, uint64_t dpitch, const v
 // value_cache are device pointers (dtype 0 float16, 1 bfloat16); the metadata is on the host,
 // laid out as in the op. Validation errors return -1 (message: ort_lora_cuda_error_string).
 // Scratch is cudaMallocAsync'd and freed on `stream`.
-ORT_LORA_C int ort_lora_cuda_sgmv(int dtype, const void* x, const void* y, void* y_out,
-                                  const void* key_cache, const void* value_cache, int64_t half,
-                                  const int32_t* seg_starts, const int32_t* seg_slots,
-                                  int64_t num_segments, const int64_t* a_offsets,
-                                  const int64_t* b_offsets, int64_t num_slots, int64_t max_rank,
-                                  const int32_t* ranks, const float* scales, int64_t num_layers,
-                                  int64_t layer, int64_t num_rows, int64_t in_features,
-                                  int64_t out_features, void* stream) {
+ORT_LORA_C int ort_lora_cuda_sgmv(ORT_LORA_SGMV_C_PARAMS, void* stream) {
   using namespace ort_lora;
-  if (dtype != static_cast<int>(SgmvDtype::kFloat16) &&
-      dtype != static_cast<int>(SgmvDtype::kBFloat16)) {
-    g_last_message = "dtype must be 0 (float16) or 1 (bfloat16), got " + std::to_string(dtype);
-    return kInvalidInput;
-  }
-  const SgmvHostInputs in{seg_starts,   seg_slots,    a_offsets, b_offsets,   ranks, scales,
-                          num_segments, num_slots,    max_rank,  num_layers,  layer, num_rows,
-                          in_features,  out_features, key_cache, value_cache, half,  2};
   SgmvPlan plan;
-  try {
-    plan = BuildSgmvPlan(in);
-  } catch (const std::exception& e) {
-    g_last_message = e.what();
-    return kInvalidInput;
-  }
+  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_INPUTS, plan);
+  if (!g_last_message.empty()) return kInvalidInput;
   auto s = static_cast<cudaStream_t>(stream);
   void* scratch = nullptr;
   if (!plan.tiles.empty()) {

@@ -118,6 +118,18 @@ SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in) {
   return plan;
 }
 
+std::string PlanForCEntry(int dtype, const SgmvHostInputs& in, SgmvPlan& plan) {
+  if (dtype != static_cast<int>(SgmvDtype::kFloat16) &&
+      dtype != static_cast<int>(SgmvDtype::kBFloat16))
+    return "dtype must be 0 (float16) or 1 (bfloat16), got " + std::to_string(dtype);
+  try {
+    plan = BuildSgmvPlan(in);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
 SgmvArgs PlanArgs(const SgmvPlan& plan, void* scratch, const void* x, void* y_out,
                   int64_t in_features, int64_t out_features) {
   auto* base = static_cast<uint8_t*>(scratch);

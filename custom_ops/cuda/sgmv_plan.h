@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cuda/sgmv_launcher.h"
@@ -46,6 +47,24 @@ struct SgmvPlan {
 // Validates the inputs (seg_starts monotonic 0..T, slots, ranks, every used row inside one
 // pool half) and builds the plan. Throws std::invalid_argument naming the bad input.
 SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in);
+
+// The C entries ort_lora_cuda_sgmv (cuda_runtime_c.cc) and ort_lora_emu_sgmv (emu/) share
+// their arguments (the CUDA one adds a stream after them; one Python helper builds both):
+// dtype (0 float16, 1 bfloat16), x, y, y_out, the layer's key_cache / value_cache (`half`
+// elements each), then the metadata laid out as in the op.
+#define ORT_LORA_SGMV_C_PARAMS                                                                     \
+  int dtype, const void *x, const void *y, void *y_out, const void *key_cache,                     \
+      const void *value_cache, int64_t half, const int32_t *seg_starts, const int32_t *seg_slots,  \
+      int64_t num_segments, const int64_t *a_offsets, const int64_t *b_offsets, int64_t num_slots, \
+      int64_t max_rank, const int32_t *ranks, const float *scales, int64_t num_layers,             \
+      int64_t layer, int64_t num_rows, int64_t in_features, int64_t out_features
+#define ORT_LORA_SGMV_C_INPUTS                                                                  \
+  ort_lora::SgmvHostInputs{seg_starts,   seg_slots,    a_offsets, b_offsets,   ranks, scales,   \
+                           num_segments, num_slots,    max_rank,  num_layers,  layer, num_rows, \
+                           in_features,  out_features, key_cache, value_cache, half,  2}
+
+// The C entries' front half: checks dtype and builds the plan. Returns "" or the message.
+std::string PlanForCEntry(int dtype, const SgmvHostInputs& in, SgmvPlan& plan);
 
 // The launch arguments for a plan serialized at the start of `scratch` (ScratchBytes bytes):
 // tiles, row pointers, then v. scratch is a device address (or host memory in the emulator).

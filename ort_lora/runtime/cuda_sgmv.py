@@ -11,17 +11,18 @@ import ctypes
 
 import numpy as np
 
-from ort_lora.runtime.cuda_pool import CudaError, CudaRuntime
+from ort_lora.runtime.cuda_pool import CudaError, CudaRuntime, float32_to_bfloat16_bits
 
 DTYPES = {"float16": 0, "bfloat16": 1}
 D2H = 2
 
 
-def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key: int,
-                   value: int, half: int, meta: dict, layer: int, num_rows: int,
-                   in_features: int, out_features: int, stream: int = 0) -> None:  # fmt: skip
-    """Enqueue LoraSGMV on `stream`. x/y/y_out/key/value: device addresses; half: elements of
-    key_cache; meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
+def sgmv_c_args(dtype: str, x: int, y: int, y_out: int, key: int, value: int, half: int,
+                meta: dict, layer: int, num_rows: int, in_features: int,
+                out_features: int) -> tuple[list, dict]:  # fmt: skip
+    """The arguments ORT_LORA_SGMV_C_PARAMS (sgmv_plan.h) declares, shared by
+    ort_lora_cuda_sgmv and the emulator's ort_lora_emu_sgmv; and the contiguous metadata
+    arrays they point into (keep them alive for the call)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
     m = {
@@ -34,13 +35,36 @@ def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key:
     }
     v, i64 = ctypes.c_void_p, ctypes.c_int64
     ptr = {k: a.ctypes.data_as(ctypes.c_void_p) for k, a in m.items()}
-    rc = rt.lib.ort_lora_cuda_sgmv(
+    args = [
         ctypes.c_int(DTYPES[dtype]), v(x), v(y), v(y_out), v(key), v(value), i64(half),
         ptr["seg_starts"], ptr["seg_slots"], i64(len(m["seg_slots"])), ptr["a_offsets"],
         ptr["b_offsets"], i64(m["a_offsets"].shape[0]), i64(m["a_offsets"].shape[1]),
         ptr["ranks"], ptr["scales"], i64(m["ranks"].shape[0]), i64(layer), i64(num_rows),
-        i64(in_features), i64(out_features), v(stream),
-    )  # fmt: skip
+        i64(in_features), i64(out_features),
+    ]  # fmt: skip
+    return args, m
+
+
+def to_storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> 16-bit storage: float16, or bfloat16 bits as uint16 (round to nearest even)."""
+    return a.astype(np.float16) if dtype == "float16" else float32_to_bfloat16_bits(a)
+
+
+def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    """16-bit storage (see to_storage) -> float32, exactly."""
+    if dtype == "float16":
+        return a.astype(np.float32)
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key: int,
+                   value: int, half: int, meta: dict, layer: int, num_rows: int,
+                   in_features: int, out_features: int, stream: int = 0) -> None:  # fmt: skip
+    """Enqueue LoraSGMV on `stream`. x/y/y_out/key/value: device addresses; half: elements of
+    key_cache; meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
+    args, _keep = sgmv_c_args(dtype, x, y, y_out, key, value, half, meta, layer, num_rows,
+                              in_features, out_features)  # fmt: skip
+    rc = rt.lib.ort_lora_cuda_sgmv(*args, ctypes.c_void_p(stream))
     if rc != 0:
         msg = rt.lib.ort_lora_cuda_error_string(rc).decode(errors="replace")
         raise (ValueError if rc == -1 else CudaError)(f"LoraSGMV(CUDA): {msg}")

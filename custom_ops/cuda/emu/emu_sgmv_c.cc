@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <string>
 
@@ -35,29 +34,11 @@ ORT_LORA_EMU_C const char* ort_lora_emu_error_string(int code) {
 // x [num_rows, in], y and y_out [num_rows, out], key_cache and value_cache (`half` elements
 // each): host arrays of dtype 0 float16 / 1 bfloat16. Metadata laid out as in the op. Returns 0,
 // -1 for invalid input, or the cudaError_t of a failed emulated launch.
-ORT_LORA_EMU_C int ort_lora_emu_sgmv(int dtype, const void* x, const void* y, void* y_out,
-                                     const void* key_cache, const void* value_cache, int64_t half,
-                                     const int32_t* seg_starts, const int32_t* seg_slots,
-                                     int64_t num_segments, const int64_t* a_offsets,
-                                     const int64_t* b_offsets, int64_t num_slots, int64_t max_rank,
-                                     const int32_t* ranks, const float* scales, int64_t num_layers,
-                                     int64_t layer, int64_t num_rows, int64_t in_features,
-                                     int64_t out_features) {
+ORT_LORA_EMU_C int ort_lora_emu_sgmv(ORT_LORA_SGMV_C_PARAMS) {
   using namespace ort_lora;
-  if (dtype != 0 && dtype != 1) {
-    g_last_message = "dtype must be 0 (float16) or 1 (bfloat16), got " + std::to_string(dtype);
-    return kInvalidInput;
-  }
-  const SgmvHostInputs in{seg_starts,   seg_slots,    a_offsets, b_offsets,   ranks, scales,
-                          num_segments, num_slots,    max_rank,  num_layers,  layer, num_rows,
-                          in_features,  out_features, key_cache, value_cache, half,  2};
   SgmvPlan plan;
-  try {
-    plan = BuildSgmvPlan(in);
-  } catch (const std::exception& e) {
-    g_last_message = e.what();
-    return kInvalidInput;
-  }
+  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_INPUTS, plan);
+  if (!g_last_message.empty()) return kInvalidInput;
   const size_t y_bytes = static_cast<size_t>(num_rows) * out_features * 2;
   if (y_bytes > 0 && y_out != y) std::memmove(y_out, y, y_bytes);
   if (plan.tiles.empty()) return 0;
