@@ -209,3 +209,42 @@ def test_isolation_alone_equals_mixed(tiny_llama_export, adapter_dirs, num_pages
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"request on {name}"
     stats = llm.engine.pool.stats()
     assert stats.kv_pages == 0 and stats.adapter_pages_pinned == 0
+
+
+def test_steps_wait_for_their_adapters_and_for_evicted_ones(tiny_llama_export, adapter_dirs):
+    """What a GPU step waits for (session.run's adapter_ids): the adapters it uses, plus every
+    adapter evicted while it was scheduled (a copy may still be in flight into those pages).
+    A tight pool with prefetch makes evictions happen; outputs still equal running alone."""
+    rng = np.random.default_rng(5)
+    names = [*ADAPTERS, None]
+    reqs = [(rng.integers(3, 256, 20).tolist(), names[i % 4]) for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_llama_export, num_pages=24, max_loras=1, max_num_seqs=3,
+              max_num_batched_tokens=64, prefetch_adapters=True)  # fmt: skip
+    engine, steps = llm.engine, []
+    schedule, run = engine.scheduler.schedule, engine.session.run
+
+    def recording_schedule():
+        steps.append([schedule(), None])
+        return steps[-1][0]
+
+    def recording_run(inputs, adapter_ids=None):
+        steps[-1][1] = list(adapter_ids)
+        return run(inputs, adapter_ids)
+
+    engine.scheduler.schedule, engine.session.run = recording_schedule, recording_run
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in reqs],
+        params,
+        lora_request=[_lora(n, adapter_dirs) for _, n in reqs],
+    )
+    ran = [(plan, waited) for plan, waited in steps if not plan.is_empty]
+    assert any(plan.evicted for plan, _ in ran) and any(plan.prefetch for plan, _ in ran)
+    for plan, waited in ran:
+        assert set(waited) == {a.adapter_id for a in plan.adapters} | set(plan.evicted)
+    alone = LLM(tiny_llama_export, num_pages=256)
+    for (prompt, name), out in zip(reqs, outs):
+        ref = alone.generate(
+            {"prompt_token_ids": prompt}, params, lora_request=_lora(name, adapter_dirs)
+        )[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"request on {name}"
