@@ -79,7 +79,11 @@ class LLM:
         bar = _progress(len(ids)) if use_tqdm else None
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                for rid, error in self.engine.take_failures():
+                    if rid in ids:
+                        raise error
+                for out in outputs:
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

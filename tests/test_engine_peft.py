@@ -248,3 +248,66 @@ def test_steps_wait_for_their_adapters_and_for_evicted_ones(tiny_llama_export, a
             {"prompt_token_ids": prompt}, params, lora_request=_lora(name, adapter_dirs)
         )[0]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"request on {name}"
+
+
+def test_an_adapter_that_fails_to_load_ends_only_its_requests(
+    tiny_llama_export, adapter_dirs, tmp_path
+):
+    """An adapter file damaged after registration (the host cache holds one adapter, so the
+    pool load rereads it from disk) fails that adapter's requests with an error naming it;
+    the other requests finish with the tokens they get alone, and the engine keeps serving."""
+    import asyncio
+    import shutil
+
+    from ort_lora.adapters import AdapterError
+    from ort_lora.engine.async_engine import AsyncEngine
+
+    broken = tmp_path / "qv4"
+    shutil.copytree(adapter_dirs["qv4"], broken)
+    loras = [None, LoRARequest("qv4", 1, str(broken)), _lora("all8", adapter_dirs)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    alone = LLM(tiny_llama_export, num_pages=256)
+    want = [
+        alone.generate({"prompt_token_ids": p}, params, lora_request=lo)[0].outputs[0].token_ids
+        for p, lo in zip(PROMPTS, loras)
+        if lo is None or lo.lora_name != "qv4"
+    ]
+
+    async def run(engine, prompt, lora):
+        try:
+            outs = [o async for o in engine.generate(prompt, params, lora_request=lora)]
+        except AdapterError as e:
+            return e
+        return outs[-1].outputs[0].token_ids
+
+    async def main():
+        engine = AsyncEngine.from_model_dir(
+            tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1
+        )
+        for lora in loras[1:]:
+            engine.add_lora(lora)
+        (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+        await engine.start()
+        try:
+            got = await asyncio.gather(*(run(engine, p, lo) for p, lo in zip(PROMPTS, loras)))
+            again = await run(engine, PROMPTS[2], loras[2])  # still serving
+            stats = engine.engine.pool.stats()
+        finally:
+            await engine.stop()
+        return got, again, stats
+
+    (base, failed, all8), again, stats = asyncio.run(main())
+    assert isinstance(failed, AdapterError)
+    assert "adapter 'qv4' could not be loaded" in str(failed) and "safetensors" in str(failed)
+    assert [base, all8] == want and again == want[1]
+    assert stats.kv_pages == 0 and stats.adapter_pages_pinned == 0
+
+    shutil.copytree(adapter_dirs["qv4"], broken, dirs_exist_ok=True)
+    llm = LLM(tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1)
+    for lora in loras[1:]:
+        llm.engine.add_lora(lora)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    with pytest.raises(AdapterError, match="adapter 'qv4' could not be loaded"):
+        llm.generate(prompts, params, lora_request=loras)  # the offline API: all or nothing
+    assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == want[0]

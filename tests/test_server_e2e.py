@@ -265,3 +265,37 @@ def test_real_engine_errors(server, adapter_root):
     check_error(httpx.post(url + "/v1/completions", json=body), 400, "maximum context length")
     body = {"model": "qv4", "prompt": "hi", "max_tokens": 2, "temperature": 9}
     check_error(httpx.post(url + "/v1/completions", json=body), 400, "temperature")
+
+
+def test_adapter_whose_files_break_fails_only_its_requests(
+    tiny_llama_export, adapter_root, oracle, tmp_path
+):
+    """A registered adapter whose safetensors file is damaged later (the host cache holds one
+    adapter, so its pool load rereads the file): its request gets a 400 naming it, requests
+    of the base model and of other adapters are answered, and the server stays healthy."""
+    from ort_lora.engine.async_engine import AsyncEngine
+
+    for name in ("qv4", "mlp8"):
+        shutil.copytree(adapter_root / name, tmp_path / name)
+    engine = AsyncEngine.from_model_dir(
+        tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1
+    )
+    for i, name in enumerate(("qv4", "mlp8"), start=1):
+        engine.add_lora(LoRARequest(name, i, str(tmp_path / name)))
+    (tmp_path / "qv4" / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
+    prompt = [5, 17, 99, 3, 42, 8, 77]
+    with ServerThread(create_app(engine)) as url:
+
+        def complete(model):
+            body = {"model": model, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
+            body["ignore_eos"] = True
+            return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        error = check_error(complete("qv4"), 400, "adapter 'qv4' could not be loaded")
+        assert error["code"] == "adapter_load_failed"
+        for model, adapter in ((engine.model_name, None), ("mlp8", "mlp8")):
+            r = complete(model)
+            assert r.status_code == 200, r.text
+            want = text_of(engine, oracle(prompt, adapter))
+            assert r.json()["choices"][0]["text"] == want, model
+        assert httpx.get(url + "/health").status_code == 200

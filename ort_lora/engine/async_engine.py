@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from ort_lora.adapters.errors import AdapterError
 from ort_lora.config import EngineConfig
 from ort_lora.engine.errors import QueueFullError
 from ort_lora.engine.llm_engine import LLMEngine
@@ -82,6 +83,9 @@ class AsyncEngine:
                 self._run_commands()
                 with self._lock:
                     outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                    failures = self.engine.take_failures()
+                for rid, error in failures:
+                    self._deliver_error(rid, error)
                 for out in outputs:
                     self._deliver(out)
                 if not outputs and not self.engine.has_unfinished_requests():
@@ -165,6 +169,8 @@ class AsyncEngine:
             await self._call(lambda: self.engine.add_request(rid, prompt, params, lora_request))
             while not finished:
                 out = await stream.get()
+                if isinstance(out, AdapterError):  # this request's adapter failed to load
+                    raise out
                 if isinstance(out, BaseException):
                     raise RuntimeError(f"the engine failed: {out}") from out
                 finished = out.finished

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ort_lora.adapters import AdapterNotFoundError, AdapterRegistry
+from ort_lora.adapters import AdapterError, AdapterNotFoundError, AdapterRegistry
 from ort_lora.config import EngineConfig
 from ort_lora.contract import ModelManifest
 from ort_lora.engine.errors import RequestError
@@ -79,6 +79,8 @@ class LLMEngine:
         if self.config.prefetch_adapters is None:  # copies overlap with steps only on a GPU
             self.config = replace(self.config, prefetch_adapters=device == "cuda")
         self.scheduler = Scheduler(self.config, self.pool)
+        self._failures: list[tuple[str, Exception]] = []
+        self._evicted: list = []  # evictions of plans not run: the next run waits for them
         self.registry = AdapterRegistry(self.manifest, self.config.max_cpu_loras, adapter_root)
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         self.eos_token_ids = list(self.manifest.eos_token_ids)
@@ -225,15 +227,17 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        for a in plan.loads + plan.prefetch:
-            write = functools.partial(self.registry.write_to_pool, a.adapter_id)
-            self.session.load_adapter(a.adapter_id, a.pages, write)
+        failed = self._load_adapters(plan)
+        if failed:
+            self._fail_adapters(plan, failed)
+            return []
         t1 = time.perf_counter()
         inputs = build_metadata(plan, self.manifest.block_size, buffers=self.buffers)
         inputs.update(self.registry.lora_step_inputs(plan.lora_slots, self.num_pages))
         t2 = time.perf_counter()
         # wait for the step's adapters, and for copies into pages evicted while scheduling
-        used = [aid for _, aid, _ in plan.lora_slots] + list(plan.evicted)
+        used = [aid for _, aid, _ in plan.lora_slots] + list(plan.evicted) + self._evicted
+        self._evicted = []
         logits = self.session.run(inputs, used)  # [plan.num_logit_rows, vocab]
         t3 = time.perf_counter()
         touched = self._postprocess(plan, logits)
@@ -242,6 +246,39 @@ class LLMEngine:
             t1 - t0, t2 - t1, t3 - t2, t4 - t3, plan.num_tokens, len(plan.entries)
         )
         return [self._retire(s) if s.finished else s.output() for s in touched]
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of requests ended since the last call because their adapter
+        could not be loaded into the pool (AsyncEngine and LLM raise these for them)."""
+        out, self._failures = self._failures, []
+        return out
+
+    def _load_adapters(self, plan: StepPlan) -> dict:
+        """Copy the plan's loads and prefetches in; {adapter id: error} for those that fail
+        (e.g. the adapter's files changed on disk since it was registered)."""
+        failed = {}
+        for a in plan.loads + plan.prefetch:
+            write = functools.partial(self.registry.write_to_pool, a.adapter_id)
+            try:
+                self.session.load_adapter(a.adapter_id, a.pages, write)
+            except (AdapterError, OSError) as e:
+                failed[a.adapter_id] = e
+        return failed
+
+    def _fail_adapters(self, plan: StepPlan, failed: dict) -> None:
+        """End every request of a failed adapter with its error and drop the adapter from
+        the pool (it is resident without its weights). The plan is not run: the scheduler
+        schedules the other sequences again next step (their pages stay allocated)."""
+        self._evicted.extend(plan.evicted)  # the next step that runs waits for these
+        for state in list(self.requests.values()):
+            aid = state.lora_request.lora_int_id if state.lora_request else None
+            if aid in failed:
+                name = state.lora_request.lora_name
+                error = AdapterError(f"adapter {name!r} could not be loaded: {failed[aid]}")
+                self._failures.append((state.request_id, error))
+                self.abort_request(state.request_id)
+        for aid in failed:
+            self.pool.drop_adapter(aid)
 
     def _postprocess(self, plan: StepPlan, logits: np.ndarray) -> list[RequestState]:
         touched: dict[str, RequestState] = {}

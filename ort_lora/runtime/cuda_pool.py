@@ -296,12 +296,16 @@ class CudaPool:
         pinned = np.ctypeslib.as_array((ctypes.c_uint16 * (nbytes // 2)).from_address(staging.ptr))[
             : nbytes // 2
         ].reshape(shape)
-        if m.dtype == "float16":
-            write(pinned.view(np.float16))
-        else:  # numpy has no bfloat16: write float32, round to bfloat16 bits
-            host = np.zeros(shape, np.float32)
-            write(host)
-            pinned[...] = float32_to_bfloat16_bits(host)
+        try:
+            if m.dtype == "float16":
+                write(pinned.view(np.float16))
+            else:  # numpy has no bfloat16: write float32, round to bfloat16 bits
+                host = np.zeros(shape, np.float32)
+                write(host)
+                pinned[...] = float32_to_bfloat16_bits(host)
+        except BaseException:
+            self.tracker.free.append(staging)  # nothing was enqueued from it
+            raise
         for c in upload_copies(m, self.num_pages, pages):
             self.rt.copy_2d(self.base, c, staging.ptr, self.copy_stream)
         event = self.rt.event()

@@ -52,6 +52,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def adapter_load_failed(exc: Exception) -> APIError:
+    """A registered adapter whose files no longer load: only its requests fail."""
+    return APIError(400, str(exc), param="model", code="adapter_load_failed")
+
+
 def model_not_found(name: str) -> APIError:
     return APIError(
         404, f"The model `{name}` does not exist.", param="model", code="model_not_found"

@@ -20,11 +20,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ort_lora.adapters.errors import AdapterNotFoundError
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
 from ort_lora.engine.errors import QueueFullError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
-from ort_lora.server.errors import APIError, bad_request, model_not_found
+from ort_lora.server.errors import APIError, adapter_load_failed, bad_request, model_not_found
 from ort_lora.server.formats import ChatFormat, CompletionFormat
 from ort_lora.server.metrics import RequestTimer, ServerMetrics
 from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -121,6 +121,8 @@ class OpenAIServing:
             raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
         except AdapterNotFoundError as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+        except AdapterError as exc:  # registered, but its files no longer load
+            raise adapter_load_failed(exc) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         return _Job(index, request_id, prompt_ids, first, agen, timer)
@@ -157,6 +159,8 @@ class OpenAIServing:
                 last = out
                 job.timer.on_tokens(time.monotonic(), _num_tokens(out))
                 yield job, out
+        except AdapterError as exc:  # reloaded after a preemption, and its files broke
+            raise adapter_load_failed(exc) from exc
         finally:
             await _close(self.engine, job, last)
 
