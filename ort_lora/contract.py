@@ -33,6 +33,10 @@ of the adapter in slot s starts at element a_offsets[s, j]; row j of B^T (length
 b_offsets[s, j]. An adapter occupies the same pages in every layer, so offsets are shared by
 all layers; ranks and scales are per layer (rank_pattern / alpha_pattern / layers_to_transform).
 No row straddles a page half, so a row is contiguous in memory.
+Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" in a float32 (CPU)
+pool: then rows are bfloat16, two per pool element (the first in its low 16 bits), a row of n
+values occupies ceil(n / 2) pool elements from its offset, and every LoraSGMV node carries the
+attribute adapter_dtype = 16 (TensorProto.BFLOAT16). Offsets still count pool elements.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ LOGITS_INDICES = "logits_indices"
 LORA_SEG_STARTS = "lora_seg_starts"
 LORA_SEG_SLOTS = "lora_seg_slots"
 LOGITS = "logits"
+
+
+ADAPTER_DTYPE_ATTR = {"bfloat16": 16}  # LoraSGMV attribute adapter_dtype (TensorProto type)
 
 
 def key_cache_name(layer: int) -> str:
@@ -99,8 +106,16 @@ class ModelManifest:
     ops_version: str = "0.1.0"
     source: str = ""
     extra: dict = field(default_factory=dict)
+    adapter_dtype: str | None = None  # None: the pool's dtype; "bfloat16" rows in a float32 pool
 
     def __post_init__(self):
+        if self.adapter_dtype not in (None, "bfloat16") or (
+            self.adapter_dtype == "bfloat16" and self.dtype != "float32"
+        ):
+            raise ValueError(
+                f"adapter_dtype {self.adapter_dtype!r} with dtype {self.dtype}: expected None "
+                "(adapter rows in the pool's dtype) or 'bfloat16' with a float32 pool"
+            )
         unknown = set(self.lora_targets) - set(LORA_MODULES)
         if unknown:
             raise ValueError(
@@ -111,6 +126,11 @@ class ModelManifest:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    @property
+    def adapter_row_pack(self) -> int:
+        """Adapter values per pool element: 2 for bfloat16 rows in a float32 pool, else 1."""
+        return 2 if self.adapter_dtype == "bfloat16" else 1
 
     @property
     def page_elems(self) -> int:

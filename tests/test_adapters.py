@@ -52,7 +52,7 @@ def tiny_config(hidden=HIDDEN, layers=LAYERS):
     )  # fmt: skip
 
 
-def manifest(targets=LORA_MODULES, layers=LAYERS):
+def manifest(targets=LORA_MODULES, layers=LAYERS, adapter_dtype=None):
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     dims = {"q_proj": (HIDDEN, q), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv),
             "o_proj": (q, HIDDEN), "gate_proj": (HIDDEN, INTER), "up_proj": (HIDDEN, INTER),
@@ -63,6 +63,7 @@ def manifest(targets=LORA_MODULES, layers=LAYERS):
         intermediate_size=INTER, vocab_size=100, max_position_embeddings=128, block_size=8,
         dtype="float32", device="cpu", eos_token_ids=[2],
         lora_targets={m: {"in": dims[m][0], "out": dims[m][1]} for m in targets},
+        adapter_dtype=adapter_dtype,
     )  # fmt: skip
 
 
@@ -94,11 +95,14 @@ def peft_delta(model, module, layer, x):
         return (lin(xt) - base(xt)).numpy()
 
 
-def pool_delta(pool, inputs, slot, module, layer, x):
-    """Numpy forward of one slot's LoRA, rows gathered from the pool at the step offsets."""
+def pool_delta(pool, inputs, slot, module, layer, x, pack=1):
+    """Numpy forward of one slot's LoRA, rows gathered from the pool at the step offsets
+    (pack 2: bfloat16 rows, row at offset o starts at bfloat16 element 2 o, widened exactly)."""
     flat = pool[layer].reshape(-1)  # key_cache.{l} then value_cache.{l}
-    a_off = inputs[lora_input_name(module, "a_offsets")][slot]
-    b_off = inputs[lora_input_name(module, "b_offsets")][slot]
+    if pack == 2:
+        flat = (flat.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    a_off = inputs[lora_input_name(module, "a_offsets")][slot] * pack
+    b_off = inputs[lora_input_name(module, "b_offsets")][slot] * pack
     r = inputs[lora_input_name(module, "ranks")][layer, slot]
     s = inputs[lora_input_name(module, "scales")][layer, slot]
     n_in, n_out = x.shape[1], manifest().lora_targets[module]["out"]
@@ -107,9 +111,26 @@ def pool_delta(pool, inputs, slot, module, layer, x):
     return s * (x @ a[:r].T) @ bt[:r]  # [T, out]
 
 
-def test_matches_peft_for_every_module_and_layer(adapters):
+def bfloat16_lora(model):
+    """A copy of a PEFT model whose LoRA weights are rounded to bfloat16 (kept in float32)."""
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return model
+
+
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+def test_matches_peft_for_every_module_and_layer(adapters, adapter_dtype):
+    """Rows written to the pool, read back at the step's offsets, give PEFT's LoRA delta
+    (bfloat16 rows: PEFT with the same bfloat16-rounded weights, float32 arithmetic)."""
     root, models = adapters
-    man = manifest()
+    if adapter_dtype == "bfloat16":
+        models = {name: bfloat16_lora(m) for name, m in models.items()}
+    man = manifest(adapter_dtype=adapter_dtype)
     reg = AdapterRegistry(man, max_cpu_loras=8, adapter_root=root)
     rng = np.random.default_rng(0)
     pool = rng.standard_normal((LAYERS, 2, NUM_PAGES, 8, KV_HEADS, HEAD_DIM)).astype(np.float32)
@@ -126,7 +147,7 @@ def test_matches_peft_for_every_module_and_layer(adapters):
             for layer in range(LAYERS):
                 x = rng.standard_normal((5, dims["in"])).astype(np.float32)
                 want = peft_delta(models[name], module, layer, x)
-                got = pool_delta(pool, inputs, slot, module, layer, x)
+                got = pool_delta(pool, inputs, slot, module, layer, x, man.adapter_row_pack)
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4,
                                            err_msg=f"{name} {module} layer {layer}")  # fmt: skip
 
@@ -170,9 +191,10 @@ def test_step_inputs_shapes_and_defaults(adapters):
     assert all(np.array_equal(by_name[k], v) for k, v in step.items())
 
 
-def test_rows_stay_inside_pages_and_halves(adapters):
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+def test_rows_stay_inside_pages_and_halves(adapters, adapter_dtype):
     root, _ = adapters
-    man = manifest()
+    man = manifest(adapter_dtype=adapter_dtype)
     reg = AdapterRegistry(man)
     reg.register(LoRARequest("mlp16rs", 1, str(root / "mlp16rs")))
     pages = tuple(np.random.default_rng(1).permutation(NUM_PAGES)[: reg.num_pages_needed(1)])
@@ -181,6 +203,7 @@ def test_rows_stay_inside_pages_and_halves(adapters):
     for m, dims in man.lora_targets.items():
         r = step[lora_input_name(m, "ranks")][:, 0].max()
         for kind, n in (("a_offsets", dims["in"]), ("b_offsets", dims["out"])):
+            n = -(-n // man.adapter_row_pack)  # pool elements of the row
             for o in step[lora_input_name(m, kind)][0, :r].tolist():
                 assert o // pe == (o + n - 1) // pe, f"{m} row at {o} straddles a page half"
                 assert (o // pe) % NUM_PAGES in pages

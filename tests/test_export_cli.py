@@ -49,3 +49,23 @@ def test_verify_fails_against_other_weights(tiny_llama_checkpoint, tmp_path, mon
     )
     text = capsys.readouterr().out
     assert rc == 1 and "FAILED" in text
+
+
+def test_adapter_dtype_bfloat16_marks_every_lora_node(tiny_llama_checkpoint, tmp_path):
+    """--adapter-dtype bfloat16: every LoraSGMV node says so (TensorProto.BFLOAT16 = 16) and
+    the manifest records it; the default export carries no such attribute."""
+    import onnx
+
+    from ort_lora.contract import ModelManifest
+
+    for flag, want in ((["--adapter-dtype", "bfloat16"], 16), ([], None)):
+        out = tmp_path / f"out{want}"
+        args = [str(tiny_llama_checkpoint), str(out), "--block-size", "8", "--quiet", *flag]
+        assert export_main(args) == 0
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        nodes = [n for n in model.graph.node if n.op_type == "LoraSGMV"]
+        attrs = [{a.name: a.i for a in n.attribute}.get("adapter_dtype") for n in nodes]
+        assert nodes and attrs == [want] * len(nodes)
+        manifest = ModelManifest.load(out)
+        assert manifest.adapter_dtype == ("bfloat16" if want else None)
+        assert manifest.adapter_row_pack == (2 if want else 1)

@@ -5,7 +5,9 @@ page p starts at flat element (h * num_pages + p) * page_elems. An adapter owns 
 pages, the same in every layer, i.e. 2 * len(pages) "halves" of page_elems elements each.
 Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m) are packed
 first-fit-decreasing into those halves, so no row straddles a half. The packing depends only on
-the adapter and page_elems; the page list just maps half i to page pages[i // 2], half i % 2.
+the adapter, page_elems and `pack`; the page list just maps half i to page pages[i // 2], half
+i % 2. pack = 2 (bfloat16 rows in a float32 pool, manifest.adapter_row_pack) puts two values in
+each pool element: a row of n values takes ceil(n / 2) elements.
 """
 
 from __future__ import annotations
@@ -35,18 +37,19 @@ class Packing:
         return (self.num_halves + 1) // 2
 
 
-def packing(adapter: HostAdapter, page_elems: int) -> Packing:
+def packing(adapter: HostAdapter, page_elems: int, pack: int = 1) -> Packing:
     """First-fit-decreasing packing of every row of the adapter (cached on the adapter)."""
     cache = adapter._packings
-    if page_elems not in cache:
-        cache[page_elems] = _pack(adapter, page_elems)
-    return cache[page_elems]
+    if (page_elems, pack) not in cache:
+        cache[page_elems, pack] = _pack(adapter, page_elems, pack)
+    return cache[page_elems, pack]
 
 
-def _pack(adapter: HostAdapter, page_elems: int) -> Packing:
-    items = []  # (length, module, kind, row)
+def _pack(adapter: HostAdapter, page_elems: int, pack: int) -> Packing:
+    items = []  # (length in pool elements, module, kind, row)
     for m, w in adapter.modules.items():
-        for kind, length in (("a", w.a.shape[2]), ("b", w.bt.shape[2])):
+        for kind, n in (("a", w.a.shape[2]), ("b", w.bt.shape[2])):
+            length = -(-n // pack)
             if length > page_elems:
                 raise AdapterError(
                     f"adapter {adapter.name!r}: module {m} rows of length {length} do not fit a "
@@ -72,7 +75,7 @@ def _pack(adapter: HostAdapter, page_elems: int) -> Packing:
 
 def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
     """Pool pages the adapter occupies (the same pages in every layer)."""
-    return packing(adapter, manifest.page_elems).num_pages
+    return packing(adapter, manifest.page_elems, manifest.adapter_row_pack).num_pages
 
 
 def layout(
@@ -84,7 +87,7 @@ def layout(
     of a pool with num_pages pages.
     """
     pe = manifest.page_elems
-    pk = packing(adapter, pe)
+    pk = packing(adapter, pe, manifest.adapter_row_pack)
     half_start = _half_starts(adapter, pages, pk, num_pages, pe)  # [num_halves]
     return {
         m: (half_start[ah] + arel, half_start[bh] + brel)
@@ -105,12 +108,15 @@ def _half_starts(adapter, pages, pk: Packing, num_pages: int, page_elems: int) -
     return (half % 2 * num_pages + pages[half // 2]) * page_elems  # [num_halves]
 
 
-def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray) -> None:
+def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) -> None:
     """Copy every row of every layer of the adapter into its pages of the pool.
 
     pool: C-contiguous [num_layers, 2, num_pages, block_size, kv_heads, head_dim], any float
-    dtype (rows are cast). One strided copy per row covers all layers at once.
+    dtype (rows are cast); pack = 2: a float32 pool holding bfloat16 rows (rounded to nearest
+    even, two per element). One strided copy per row covers all layers at once.
     """
+    if pack == 2 and pool.dtype != np.float32:
+        raise AdapterError(f"bfloat16 rows go into a float32 pool, got a {pool.dtype} pool")
     if pool.ndim != 6 or not pool.flags.c_contiguous:
         raise AdapterError(
             f"pool must be a C-contiguous [num_layers, 2, num_pages, block, kv_heads, head_dim] "
@@ -119,16 +125,30 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray) -> None:
     num_layers, _, num_pages = pool.shape[:3]
     page_elems = int(np.prod(pool.shape[3:]))
     flat = pool.reshape(num_layers, -1)  # [L, 2 * num_pages * page_elems], a view
-    pk = packing(adapter, page_elems)
+    pk = packing(adapter, page_elems, pack)
     half_start = _half_starts(adapter, pages, pk, num_pages, page_elems)
+    if pack == 2:
+        flat = flat.view(np.uint32)  # bit patterns, copied as they are
     for m, w in adapter.modules.items():
         if w.a.shape[0] != num_layers:
             raise AdapterError(
                 f"adapter {adapter.name!r} has {w.a.shape[0]} layers; the pool has {num_layers}"
             )
         ah, arel, bh, brel = pk.rows[m]
-        _copy_rows(flat, w.a, half_start[ah] + arel)
-        _copy_rows(flat, w.bt, half_start[bh] + brel)
+        a, bt = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt)) if pack == 2 else (w.a, w.bt)
+        _copy_rows(flat, a, half_start[ah] + arel)
+        _copy_rows(flat, bt, half_start[bh] + brel)
+
+
+def _bfloat16_pairs(rows: np.ndarray) -> np.ndarray:
+    """float32 [L, R, n] -> uint32 [L, R, ceil(n / 2)]: bfloat16 bits, two per element (the
+    first in the low half: little-endian), a zero pad after an odd n."""
+    from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
+
+    bits = float32_to_bfloat16_bits(rows)  # [L, R, n] uint16
+    if bits.shape[2] % 2:
+        bits = np.concatenate([bits, np.zeros((*bits.shape[:2], 1), np.uint16)], axis=2)
+    return np.ascontiguousarray(bits).view("<u4")
 
 
 def _copy_rows(flat: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> None:

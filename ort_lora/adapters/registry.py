@@ -154,7 +154,7 @@ class AdapterRegistry:
 
     def write_to_pool(self, name_or_id: str | int, pages, pool: np.ndarray) -> None:
         """Copy the adapter's rows of every layer into its pages of the pool array."""
-        write_to_pool(self.get(name_or_id), pages, pool)
+        write_to_pool(self.get(name_or_id), pages, pool, self.manifest.adapter_row_pack)
 
     def lora_step_inputs(self, slots: StepSlots, num_pages: int) -> dict[str, np.ndarray]:
         """The lora_{m}_{a_offsets,b_offsets,ranks,scales} graph inputs of one step.

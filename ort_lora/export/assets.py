@@ -48,6 +48,7 @@ def make_manifest(cfg: ArchConfig, source: CheckpointSource, options: dict) -> M
         sliding_window=cfg.sliding_window,
         source=str(source.path),
         extra=dict(options.get("extra") or {}),
+        adapter_dtype=options.get("adapter_dtype"),
     )
 
 

@@ -31,6 +31,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="float32 (cpu, default) or float16/bfloat16 (cuda, default float16)",
     )
+    p.add_argument(
+        "--adapter-dtype",
+        default=None,
+        choices=("float32", "float16", "bfloat16"),
+        help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 (half "
+        "the adapter bytes per step, float32 accumulation)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--force", action="store_true", help="replace an existing export in OUTDIR")
@@ -80,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         block_size=args.block_size,
         device=args.device,
+        adapter_dtype=args.adapter_dtype,
         force=args.force,
         progress=not args.quiet,
         extra=extra,

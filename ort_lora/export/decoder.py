@@ -37,11 +37,16 @@ class DecoderBuilder:
         device: str,
         lora_targets: list[str],
         block_size: int,
+        adapter_dtype: str | None = None,
         progress=None,
     ):
         self.cfg, self.src, self.g = cfg, source, graph
         self.dtype, self.device, self.targets = dtype, device, lora_targets
         self.block_size, self.progress = block_size, progress
+        # LoraSGMV attribute: bfloat16 rows in the float32 pool (absent: the pool's dtype)
+        self.lora_attrs = {}
+        if adapter_dtype is not None:
+            self.lora_attrs["adapter_dtype"] = C.ADAPTER_DTYPE_ATTR[adapter_dtype]
 
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> str:
@@ -99,7 +104,12 @@ class DecoderBuilder:
         lora_inputs += [C.lora_input_name(module, k) for k in ("a_offsets", "b_offsets")]
         lora_inputs += [C.lora_input_name(module, k) for k in ("ranks", "scales")]
         (y,) = self.g.node(
-            "LoraSGMV", lora_inputs, f"{name}/LoraSGMV", domain=C.OPS_DOMAIN, layer=layer
+            "LoraSGMV",
+            lora_inputs,
+            f"{name}/LoraSGMV",
+            domain=C.OPS_DOMAIN,
+            layer=layer,
+            **self.lora_attrs,
         )
         return y  # [T, out]
 

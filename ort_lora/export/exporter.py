@@ -33,6 +33,7 @@ def export_model(
     dtype: str = "float32",
     block_size: int = 16,
     device: str = "cpu",
+    adapter_dtype: str | None = None,
     force: bool = False,
     progress: bool = True,
     extra: dict | None = None,
@@ -41,12 +42,15 @@ def export_model(
 
     lora_targets: iterable of module names (default: all seven linear modules).
     dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
+    adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu,
+        "bfloat16" (half the bytes LoraSGMV reads per step; float32 accumulation).
     extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows.
     Raises ExportError with a message for users on any bad input.
     """
     targets = _check_targets(lora_targets)
     extra = _check_extra(extra)
     _check_device_dtype(device, dtype)
+    adapter_dtype = _check_adapter_dtype(device, dtype, adapter_dtype)
     if not isinstance(block_size, int) or block_size <= 0:
         raise ExportError(f"block size must be a positive integer, got {block_size!r}")
     out_dir = Path(out_dir).expanduser()
@@ -55,11 +59,16 @@ def export_model(
     cfg = arch_config(source.config, source.generation_config)
     if "max_position_embeddings" in extra:
         cfg.max_position_embeddings = extra["max_position_embeddings"]
-    _check_page_fits_rows(cfg, targets, block_size)
+    _check_page_fits_rows(cfg, targets, block_size, 2 if adapter_dtype else 1)
     if device == "cuda":
         _check_cuda_attention(cfg, block_size)
     options = dict(
-        lora_targets=targets, dtype=dtype, block_size=block_size, device=device, extra=extra
+        lora_targets=targets,
+        dtype=dtype,
+        block_size=block_size,
+        device=device,
+        adapter_dtype=adapter_dtype,
+        extra=extra,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -98,6 +107,7 @@ def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bo
             device=options["device"],
             lora_targets=options["lora_targets"],
             block_size=options["block_size"],
+            adapter_dtype=options["adapter_dtype"],
             progress=bar,
         )
         builder.build()
@@ -133,6 +143,19 @@ def _check_device_dtype(device: str, dtype: str) -> None:
             f"dtype {dtype} is not supported on device {device}; "
             f"use {' or '.join(DEVICE_DTYPES[device])}"
         )
+
+
+def _check_adapter_dtype(device: str, dtype: str, adapter_dtype: str | None) -> str | None:
+    """None (rows in the pool's dtype) or "bfloat16" (cpu: bfloat16 rows in the float32 pool)."""
+    if adapter_dtype is None or adapter_dtype == dtype:
+        return None
+    if device == "cpu" and adapter_dtype == "bfloat16":
+        return adapter_dtype
+    allowed = "float32 or bfloat16" if device == "cpu" else dtype
+    raise ExportError(
+        f"adapter dtype {adapter_dtype!r} is not supported on device {device} with dtype "
+        f"{dtype}; use {allowed}"
+    )
 
 
 def _check_cuda_attention(cfg: ArchConfig, block_size: int) -> None:
@@ -178,10 +201,11 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         )
 
 
-def _check_page_fits_rows(cfg: ArchConfig, targets: list[str], block_size: int) -> None:
+def _check_page_fits_rows(cfg: ArchConfig, targets: list[str], block_size: int, pack: int) -> None:
     page = block_size * cfg.num_kv_heads * cfg.head_dim
     sizes = cfg.module_sizes()
     widest = max((max(sizes[m]["in"], sizes[m]["out"]) for m in targets), default=0)
+    widest = -(-widest // pack)  # pool elements of the widest row
     if widest > page:
         need = -(-widest // (cfg.num_kv_heads * cfg.head_dim))
         raise ExportError(
