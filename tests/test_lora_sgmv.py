@@ -1,7 +1,9 @@
 """LoraSGMV CPU kernel vs the numpy reference (ort_lora/ops/lora_sgmv_ref.py).
 
 Every case draws fresh random data (a seed per case); the pool is NaN outside the adapter rows,
-so a kernel reading anywhere else fails the comparison.
+so a kernel reading anywhere else fails the comparison. Adapter rows are float32 pool elements,
+or bfloat16 packed two per pool element (attribute adapter_dtype = 16): the reference widens the
+same bfloat16 values, so both row types share the float32-accumulation tolerance.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import ort_lora
-from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
+from ort_lora.ops.lora_sgmv_ref import ADAPTER_DTYPES, lora_sgmv, place_random_adapters
 
 INPUTS = [
     ("y", TensorProto.FLOAT, 2),
@@ -34,17 +36,26 @@ RTOL = 1e-5  # float32
 
 
 def make_session(
-    layer: int, input_types: dict[str, int] | None = None, shapeless: bool = False
+    layer: int,
+    input_types: dict[str, int] | None = None,
+    shapeless: bool = False,
+    **attrs,
 ) -> ort.InferenceSession:
     """A one-node LoraSGMV model; input_types overrides declared input element types;
-    shapeless declares no input ranks (so the op itself, not ORT, checks them)."""
+    shapeless declares no input ranks (so the op itself, not ORT, checks them); attrs are
+    further node attributes (adapter_dtype)."""
     types = {name: t for name, t, _ in INPUTS} | (input_types or {})
     graph_inputs = [
         helper.make_tensor_value_info(name, types[name], None if shapeless else [None] * rank)
         for name, _, rank in INPUTS
     ]
     node = helper.make_node(
-        "LoraSGMV", [n for n, _, _ in INPUTS], ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=layer
+        "LoraSGMV",
+        [n for n, _, _ in INPUTS],
+        ["y_out"],
+        domain=ort_lora.OPS_DOMAIN,
+        layer=layer,
+        **attrs,
     )
     output = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
     graph = helper.make_graph([node], "lora_sgmv", graph_inputs, [output])
@@ -54,19 +65,27 @@ def make_session(
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-_SESSIONS: dict[int, ort.InferenceSession] = {}
+_SESSIONS: dict[tuple[int, str], ort.InferenceSession] = {}
 
 
-def session(layer: int = 0) -> ort.InferenceSession:
-    if layer not in _SESSIONS:
-        _SESSIONS[layer] = make_session(layer)
-    return _SESSIONS[layer]
+def session(layer: int = 0, adapter_dtype: str = "float32") -> ort.InferenceSession:
+    """float32 rows: no attribute (the default); bfloat16 rows: adapter_dtype = 16."""
+    key = (layer, adapter_dtype)
+    if key not in _SESSIONS:
+        attrs = (
+            {} if adapter_dtype == "float32" else {"adapter_dtype": ADAPTER_DTYPES[adapter_dtype]}
+        )
+        _SESSIONS[key] = make_session(layer, **attrs)
+    return _SESSIONS[key]
 
 
-def make_case(seed, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None):
-    """Feeds for one call; layer_ranks [num_layers, num_slots] defaults to slot_ranks."""
+def make_case(
+    seed, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None, dtype="float32"
+):
+    """Feeds for one call; layer_ranks [num_layers, num_slots] defaults to slot_ranks; dtype is
+    the adapter rows' type in the pool."""
     rng = np.random.default_rng(seed)
-    placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f)
+    placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f, adapter_dtype=dtype)
     ranks = np.array(layer_ranks if layer_ranks is not None else [slot_ranks], np.int32)
     num_rows = int(sum(seg_lens))
     return {
@@ -83,9 +102,9 @@ def make_case(seed, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_r
     }
 
 
-def check(feeds, layer=0):
-    got = session(layer).run(None, feeds)[0]
-    ref = lora_sgmv(**feeds, layer=layer)
+def check(feeds, layer=0, dtype="float32"):
+    got = session(layer, dtype).run(None, feeds)[0]
+    ref = lora_sgmv(**feeds, layer=layer, adapter_dtype=dtype)
     assert got.shape == ref.shape
     scale = float(np.abs(ref).max()) if ref.size else 1.0
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * scale)
@@ -177,10 +196,110 @@ def test_unused_slot_offsets_are_not_read():
     check(feeds)
 
 
+# ---- bfloat16 adapter rows (adapter_dtype = 16) ------------------------------------------------
+
+
+def halves_used(feeds) -> set[str]:
+    """Which caches hold the case's used A rows: a precondition that rows are in both."""
+    half = feeds["key_cache"].size
+    used = feeds["a_offsets"][feeds["a_offsets"] >= 0]
+    return {"key" if o < half else "value" for o in used}
+
+
+@pytest.mark.parametrize("layout", ["every_row_distinct", "skewed", "t_over_1000", "t1", "t0"])
+def test_bf16_rows_layouts(layout):
+    """Decode (one row per adapter) and prefill (long segments) layouts, rows in K and V."""
+    seed = 800 + list(LAYOUTS).index(layout)
+    seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](np.random.default_rng(seed))
+    feeds = make_case(seed, seg_lens, seg_slots, slot_ranks, dtype="bfloat16")
+    if sum(slot_ranks) > 8:
+        assert halves_used(feeds) == {"key", "value"}
+    check(feeds, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "in_f,out_f", [(64, 192), (576, 1536), (37, 53), (15, 3), (1, 1), (33, 2049)]
+)
+def test_bf16_rows_shapes(in_f, out_f):
+    """Odd feature counts end rows with a padding bfloat16; gaps give odd pool offsets."""
+    feeds = make_case(
+        900 + in_f, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f, dtype="bfloat16"
+    )
+    assert (feeds["a_offsets"] % 2 == 1).any() and (feeds["b_offsets"] % 2 == 1).any()
+    check(feeds, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("rank", [1, 4, 16, 64])
+def test_bf16_rows_ranks(rank):
+    check(
+        make_case(
+            950 + rank, [5, 3, 9, 1], [0, -1, 1, 0], [rank, rank], 576, 1536, dtype="bfloat16"
+        ),
+        dtype="bfloat16",
+    )
+
+
+def move_row(feeds, table, slot, j, features, new_offset):
+    """Copies one bfloat16 row's pool elements to new_offset (NaN there before) and points the
+    table at it."""
+    region = [feeds["key_cache"].reshape(-1), feeds["value_cache"].reshape(-1)]
+    half, old = region[0].size, int(feeds[table][slot, j])
+    n = -(-features // 2)
+    src = region[old >= half][old % half : old % half + n].copy()
+    dst = region[new_offset >= half][new_offset % half : new_offset % half + n]
+    assert np.isnan(dst).all(), "the target elements must be free"
+    dst[...] = src
+    feeds[table][slot, j] = new_offset
+
+
+def test_bf16_rows_ending_at_the_end_of_each_cache():
+    """Odd-length rows whose padding bfloat16 is the last one of key_cache / value_cache."""
+    feeds = make_case(960, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53, dtype="bfloat16")
+    half = feeds["key_cache"].size
+    move_row(feeds, "b_offsets", 1, 2, 53, 2 * half - 27)
+    move_row(feeds, "a_offsets", 0, 3, 37, half - 19)
+    check(feeds, dtype="bfloat16")
+
+
+def test_adapter_dtype_1_is_float32_rows():
+    feeds = make_case(970, [4, 1, 6], [1, -1, 0], [8, 16])
+    got = make_session(0, adapter_dtype=1).run(None, feeds)[0]
+    ref = lora_sgmv(**feeds, layer=0)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("table,features", [("a_offsets", 37), ("b_offsets", 53)])
+def test_bf16_row_overrunning_its_half(table, features):
+    """A row of 37 bfloat16 spans 19 pool elements: at half - 18 it overruns key_cache by one
+    (18.5 elements would fit), at 2 * half - 18 value_cache."""
+    feeds = make_case(980, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53, dtype="bfloat16")
+    half = feeds["key_cache"].size
+    end = half if table == "a_offsets" else 2 * half
+    offset = end - features // 2
+    feeds[table][1, 2] = offset
+    expected = rf"{table}\[1, 2\] = {offset} is an out-of-range page: a row of {features} bfloat16"
+    with pytest.raises(Exception, match=expected):
+        session(0, "bfloat16").run(None, feeds)
+
+
+@pytest.mark.parametrize("value", [0, 10, 11, 2])
+def test_bad_adapter_dtype_attribute(value):
+    expected = rf"attribute 'adapter_dtype' = {value} is not supported by the CPU op: it must be 1"
+    with pytest.raises(Exception, match=expected):
+        make_session(0, adapter_dtype=value)
+
+
+def test_adapter_dtype_attribute_of_the_wrong_type():
+    with pytest.raises(Exception, match="attribute 'adapter_dtype' must be an int"):
+        make_session(0, adapter_dtype=16.0)
+    with pytest.raises(Exception, match="attribute 'adapter_dtype' must be an int"):
+        make_session(0, adapter_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
-    cases = "ranks or layouts or shapes or layer_attribute_selects"
+    cases = "ranks or layouts or shapes or layer_attribute_selects or bf16_rows"
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
     env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,7 @@
-// LoraSGMV CPU kernel (float32): balanced work items, register-blocked micro-kernels written
-// with GCC vector extensions, compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and
-// selected at run time, so the library runs on any x86-64 without -march=native.
+// LoraSGMV CPU kernel (float32, adapter rows float32 or bfloat16): balanced work items,
+// register-blocked micro-kernels written with GCC vector extensions, compiled three times
+// (AVX-512, AVX2+FMA, baseline x86-64) for each row type and selected at run time, so the
+// library runs on any x86-64 without -march=native.
 #include "lora_sgmv/lora_sgmv_cpu.h"
 
 #include <algorithm>
@@ -20,11 +21,50 @@ typedef float V16 __attribute__((vector_size(64), aligned(4)));
 typedef float V8 __attribute__((vector_size(32), aligned(4)));
 typedef float V4 __attribute__((vector_size(16), aligned(4)));
 
+// The bfloat16 bit patterns of one float vector's lanes (U16) and their widened form (U32).
+template <typename V>
+struct Bf16Vec;
+template <>
+struct Bf16Vec<V16> {
+  typedef uint16_t U16 __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t U32 __attribute__((vector_size(64)));
+};
+template <>
+struct Bf16Vec<V8> {
+  typedef uint16_t U16 __attribute__((vector_size(16), aligned(2)));
+  typedef uint32_t U32 __attribute__((vector_size(32)));
+};
+template <>
+struct Bf16Vec<V4> {
+  typedef uint16_t U16 __attribute__((vector_size(8), aligned(2)));
+  typedef uint32_t U32 __attribute__((vector_size(16)));
+};
+
 template <typename V>
 ORT_LORA_INLINE V Load(const float* p) {
   V v;
   __builtin_memcpy(&v, p, sizeof(V));
   return v;
+}
+
+// Lanes of bfloat16 widened to float32 exactly: zero-extend, shift into the high half
+// (vpmovzxwd + vpslld on x86).
+template <typename V>
+ORT_LORA_INLINE V Load(const uint16_t* p) {
+  typename Bf16Vec<V>::U16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const auto w = __builtin_convertvector(h, typename Bf16Vec<V>::U32) << 16;
+  V v;
+  __builtin_memcpy(&v, &w, sizeof(V));
+  return v;
+}
+
+ORT_LORA_INLINE float ToFloat(float f) { return f; }
+ORT_LORA_INLINE float ToFloat(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &w, sizeof(f));
+  return f;
 }
 
 template <typename V>
@@ -42,11 +82,14 @@ ORT_LORA_INLINE float HSum(V16 a) {
 }
 
 // Shrink tile: v[i * ldv + j] += scale * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and NR
-// rows of A. The segment's scale is applied here, on the small [n, r] result.
-template <typename V, int MR, int NR>
-ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const* a, int64_t k0,
+// rows of A (elements of type R: float or bfloat16 bits). The segment's scale is applied here,
+// on the small [n, r] result.
+template <typename V, typename R, int MR, int NR>
+ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* a_rows, int64_t k0,
                                 int64_t k1, float scale, float* v, int64_t ldv) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const R* a[NR];
+  for (int j = 0; j < NR; ++j) a[j] = static_cast<const R*>(a_rows[j]);
   V acc[MR][NR] = {};
   int64_t kk = k0;
   for (; kk + kLanes <= k1; kk += kLanes) {
@@ -60,7 +103,7 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const*
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = HSum(acc[i][j]);
-      for (int64_t q = kk; q < k1; ++q) s += x[i * ldx + q] * a[j][q];
+      for (int64_t q = kk; q < k1; ++q) s += x[i * ldx + q] * ToFloat(a[j][q]);
       v[i * ldv + j] += scale * s;
     }
   }
@@ -68,8 +111,8 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const float* const*
 
 // Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + sum_j v[i * ldv + j] * Bt_j[...]. The
 // accumulators start from y, so its loads overlap the multiply-adds.
-template <typename V, int MR, int NQ>
-ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const* bt, int64_t r,
+template <typename V, typename R, int MR, int NQ>
+ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* bt, int64_t r,
                                 int64_t c, const float* y, float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   V acc[MR][NQ];
@@ -77,7 +120,8 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const*
     for (int q = 0; q < NQ; ++q) acc[i][q] = Load<V>(y + i * ldy + c + q * kLanes);
   for (int64_t j = 0; j < r; ++j) {
     V b[NQ];
-    for (int q = 0; q < NQ; ++q) b[q] = Load<V>(bt[j] + c + q * kLanes);
+    const R* bt_j = static_cast<const R*>(bt[j]);
+    for (int q = 0; q < NQ; ++q) b[q] = Load<V>(bt_j + c + q * kLanes);
     for (int i = 0; i < MR; ++i) {
       const float vij = v[i * ldv + j];
       for (int q = 0; q < NQ; ++q) acc[i][q] += vij * b[q];
@@ -89,11 +133,12 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const float* const*
 }
 
 // Columns [c, c_end) of one row, fewer than one vector: plain scalar code.
-ORT_LORA_INLINE void ExpandScalar(const float* v, const float* const* bt, int64_t r, int64_t c,
+template <typename R>
+ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t r, int64_t c,
                                   int64_t c_end, const float* y, float* y_out) {
   for (; c < c_end; ++c) {
     float s = y[c];
-    for (int64_t j = 0; j < r; ++j) s += v[j] * bt[j][c];
+    for (int64_t j = 0; j < r; ++j) s += v[j] * ToFloat(static_cast<const R*>(bt[j])[c]);
     y_out[c] = s;
   }
 }
@@ -120,21 +165,21 @@ struct Plan {
 
 // Rows [0, n) x A rows [j0, j1) over columns [k0, k1): A rows outer, x rows inner, so a group
 // of A rows stays in L1 while the x rows stream by.
-template <typename V, int NR>
+template <typename V, typename R, int NR>
 ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t k, const SgmvSegment& s,
                                  int64_t j, int64_t k0, int64_t k1, float* v) {
   const int64_t r = s.rank;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4)
-    ShrinkTile<V, 4, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
+    ShrinkTile<V, R, 4, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
   for (; t < n; ++t)
-    ShrinkTile<V, 1, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
+    ShrinkTile<V, R, 1, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
 }
 
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
 constexpr int64_t kShrinkKBlock = 1024;
 
-template <typename V>
+template <typename V, typename R>
 ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   const Item& it = plan.shrink[index];
   const SgmvProblem& p = *plan.p;
@@ -147,29 +192,30 @@ ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   for (int64_t k0 = 0; k0 < k; k0 += kShrinkKBlock) {
     const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
     int64_t j = it.lo;
-    for (; j + 4 <= it.hi; j += 4) ShrinkGroup<V, 4>(x, n, k, s, j, k0, k1, v);
-    for (; j < it.hi; ++j) ShrinkGroup<V, 1>(x, n, k, s, j, k0, k1, v);
+    for (; j + 4 <= it.hi; j += 4) ShrinkGroup<V, R, 4>(x, n, k, s, j, k0, k1, v);
+    for (; j < it.hi; ++j) ShrinkGroup<V, R, 1>(x, n, k, s, j, k0, k1, v);
   }
 }
 
 // Columns [c0, c1) of MR rows: 4-vector strips, then 1-vector strips, then a scalar tail.
-template <typename V, int MR>
+template <typename V, typename R, int MR>
 ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0, int64_t c1,
                                 const float* y, float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const int64_t r = s.rank;
   int64_t c = c0;
   for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
-    ExpandTile<V, MR, 4>(v, r, s.bt_rows, r, c, y, y_out, ldy);
-  for (; c + kLanes <= c1; c += kLanes) ExpandTile<V, MR, 1>(v, r, s.bt_rows, r, c, y, y_out, ldy);
+    ExpandTile<V, R, MR, 4>(v, r, s.bt_rows, r, c, y, y_out, ldy);
+  for (; c + kLanes <= c1; c += kLanes)
+    ExpandTile<V, R, MR, 1>(v, r, s.bt_rows, r, c, y, y_out, ldy);
   for (int i = 0; i < MR && c < c1; ++i)
-    ExpandScalar(v + i * r, s.bt_rows, r, c, c1, y + i * ldy, y_out + i * ldy);
+    ExpandScalar<R>(v + i * r, s.bt_rows, r, c, c1, y + i * ldy, y_out + i * ldy);
 }
 
 // Bytes of B^T rows kept hot while the rows of y stream by (most of a 48 KiB L1).
 constexpr int64_t kExpandPanelBytes = 32 << 10;
 
-template <typename V>
+template <typename V, typename R>
 ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const Item& it = plan.expand[index];
@@ -186,34 +232,53 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
   // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
   // sized to stay in L1, is reused by every row of the item.
-  const int64_t panel_cols = kExpandPanelBytes / (4 * s.rank);
+  const int64_t panel_cols = kExpandPanelBytes / (sizeof(R) * s.rank);
   const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
   for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
     const int64_t c1 = std::min(c0 + panel, it.hi);
     int64_t t = 0;
     for (; t + 4 <= n; t += 4)
-      ExpandRows<V, 4>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+      ExpandRows<V, R, 4>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
     for (; t < n; ++t)
-      ExpandRows<V, 1>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+      ExpandRows<V, R, 1>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
   }
 }
 
-// One clone per instruction set; the vector width follows the widest registers available.
+// One clone per instruction set and row type; the vector width follows the widest registers
+// available. R = float (float32 rows) or uint16_t (bfloat16 rows).
+template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(Plan& p, size_t i) {
-  ShrinkItemBody<V16>(p, i);
+  ShrinkItemBody<V16, R>(p, i);
 }
-__attribute__((target("avx2,fma"))) void ShrinkAvx2(Plan& p, size_t i) { ShrinkItemBody<V8>(p, i); }
-void ShrinkBase(Plan& p, size_t i) { ShrinkItemBody<V4>(p, i); }
+template <typename R>
+__attribute__((target("avx2,fma"))) void ShrinkAvx2(Plan& p, size_t i) {
+  ShrinkItemBody<V8, R>(p, i);
+}
+template <typename R>
+void ShrinkBase(Plan& p, size_t i) {
+  ShrinkItemBody<V4, R>(p, i);
+}
+template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(Plan& p, size_t i) {
-  ExpandItemBody<V16>(p, i);
+  ExpandItemBody<V16, R>(p, i);
 }
-__attribute__((target("avx2,fma"))) void ExpandAvx2(Plan& p, size_t i) { ExpandItemBody<V8>(p, i); }
-void ExpandBase(Plan& p, size_t i) { ExpandItemBody<V4>(p, i); }
+template <typename R>
+__attribute__((target("avx2,fma"))) void ExpandAvx2(Plan& p, size_t i) {
+  ExpandItemBody<V8, R>(p, i);
+}
+template <typename R>
+void ExpandBase(Plan& p, size_t i) {
+  ExpandItemBody<V4, R>(p, i);
+}
 
 using ItemFn = void (*)(Plan&, size_t);
-struct Kernels {
+struct PassFns {
   ItemFn shrink;
   ItemFn expand;
+};
+struct Kernels {
+  PassFns f32;   // float32 rows
+  PassFns bf16;  // bfloat16 rows
 };
 
 // The widest ISA the CPU has, capped by ORT_LORA_SGMV_ISA (avx512 | avx2 | baseline) so that
@@ -224,10 +289,11 @@ Kernels SelectKernels() {
   const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
   const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
-    return {ShrinkAvx512, ExpandAvx512};
+    return {{ShrinkAvx512<float>, ExpandAvx512<float>},
+            {ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>}};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {ShrinkAvx2, ExpandAvx2};
-  return {ShrinkBase, ExpandBase};
+    return {{ShrinkAvx2<float>, ExpandAvx2<float>}, {ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>}};
+  return {{ShrinkBase<float>, ExpandBase<float>}, {ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -341,8 +407,9 @@ void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* r
   plan.v.resize(v_size);
   PlanShrink(plan);
   PlanExpand(plan);
-  RunPass(plan, kernels.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);
-  RunPass(plan, kernels.expand, plan.expand.size(), plan.expand_cost, parallel_for, runner);
+  const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16 : kernels.f32;
+  RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);
+  RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for, runner);
 }
 
 }  // namespace ort_lora

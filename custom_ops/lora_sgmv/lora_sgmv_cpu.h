@@ -1,12 +1,14 @@
-// LoraSGMV CPU kernel launcher (float32). No ONNX Runtime types: the op (lora_sgmv_op.cc)
-// validates the inputs, resolves pool offsets to row pointers and calls LoraSgmvCpu.
+// LoraSGMV CPU kernel launcher (float32 x and y; adapter rows float32 or bfloat16). No ONNX
+// Runtime types: the op (lora_sgmv_op.cc) validates the inputs, resolves pool offsets to row
+// pointers and calls LoraSgmvCpu.
 //
 // Punica-style split in two passes over balanced work items:
 //   shrink  v[t, j]    = x[t] . A_j                        [n, r] per segment
 //   expand  y_out[t]   = y[t] + scale * sum_j v[t, j] Bt_j  (rows of inactive segments: copy)
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
-// (tests use it to run the narrower kernels).
+// (tests use it to run the narrower kernels). Each clone exists for float32 and bfloat16 rows;
+// bfloat16 rows are widened to float32 as they are loaded (bits << 16), accumulation is float32.
 #pragma once
 
 #include <cstddef>
@@ -15,14 +17,20 @@
 
 namespace ort_lora {
 
+// Element type of every adapter row (A and B^T) of one call.
+enum class SgmvRowType {
+  kFloat32,   // const float*: `len` floats
+  kBFloat16,  // const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
+};
+
 // One segment that has an adapter (slot >= 0, rank > 0) and at least one row.
 struct SgmvSegment {
   int64_t row_begin;  // first row of x / y
   int64_t row_end;    // one past the last row
   int64_t rank;       // r, 1..kMaxRank
   float scale;
-  const float* const* a_rows;   // [r] pointers to rows of A, each `in` floats
-  const float* const* bt_rows;  // [r] pointers to rows of B^T, each `out` floats
+  const void* const* a_rows;   // [r] pointers to rows of A, each `in` elements of row_type
+  const void* const* bt_rows;  // [r] pointers to rows of B^T, each `out` elements of row_type
 };
 
 struct SgmvProblem {
@@ -32,6 +40,7 @@ struct SgmvProblem {
   int64_t num_rows;
   int64_t in_features;
   int64_t out_features;
+  SgmvRowType row_type;               // of every segment's a_rows and bt_rows
   std::vector<SgmvSegment> segments;  // active segments, disjoint row ranges, any order
 };
 

@@ -57,4 +57,24 @@ inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
   return in;
 }
 
+template <typename T>
+bool HasAttribute(const Ort::ConstKernelInfo& ki, const char* name) {
+  try {
+    ki.GetAttribute<T>(name);
+    return true;
+  } catch (const Ort::Exception&) {
+    return false;
+  }
+}
+
+// The optional int attribute adapter_dtype (an ONNX TensorProto element type: the type of the
+// adapter rows in the pool), or 1 (FLOAT) when absent. Each op checks the value it allows.
+inline int64_t ReadAdapterDtype(const Ort::ConstKernelInfo& ki) {
+  constexpr const char* kName = "adapter_dtype";
+  if (HasAttribute<int64_t>(ki, kName)) return ki.GetAttribute<int64_t>(kName);
+  if (HasAttribute<float>(ki, kName) || HasAttribute<std::string>(ki, kName))
+    Fail("attribute '", kName, "' must be an int (an ONNX TensorProto element type)");
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
 }  // namespace ort_lora

@@ -25,14 +25,22 @@ struct PoolShare {
   const float* key;
   const float* value;
   int64_t half;  // elements in each of key_cache and value_cache
+  bool bf16;     // rows hold bfloat16 values, two per pool element
 
-  // Start of the row of `len` elements at `offset`; it must lie inside one of the two halves.
-  const float* Row(int64_t offset, int64_t len, const char* name, int64_t slot, int64_t j) const {
+  // Start of the row of `features` values at pool element `offset`; the pool elements it spans
+  // (`features`, or ceil(features / 2) for bfloat16 rows) must lie inside one of the halves.
+  const void* Row(int64_t offset, int64_t features, const char* name, int64_t slot,
+                  int64_t j) const {
+    const int64_t len = bf16 ? (features + 1) / 2 : features;  // pool elements
     // Written so that no sum can overflow, whatever the offset.
     if (offset >= 0 && offset < half && len <= half - offset) return key + offset;
     if (offset >= half && offset - half < half && len <= 2 * half - offset)
       return value + (offset - half);
     if (len == 0 && offset >= 0 && offset <= 2 * half) return key;  // empty rows read nothing
+    if (bf16)
+      Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ",
+           features, " bfloat16 (", len, " pool elements) must lie inside key_cache [0, ", half,
+           ") or value_cache [", half, ", ", 2 * half, ")");
     Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ", len,
          " elements must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ",
          2 * half, ")");
@@ -72,7 +80,7 @@ int64_t CheckedRank(const Tables& t, int64_t layer, int64_t slot) {
 
 // Appends the slot's rank A row pointers, then its rank B^T row pointers, checking each row.
 void AddSlotRows(const Tables& t, const PoolShare& pool, int64_t slot, int64_t rank,
-                 int64_t in_features, int64_t out_features, std::vector<const float*>& rows) {
+                 int64_t in_features, int64_t out_features, std::vector<const void*>& rows) {
   for (int64_t j = 0; j < rank; ++j)
     rows.push_back(pool.Row(t.a_off[slot * t.max_rank + j], in_features, "a_offsets", slot, j));
   for (int64_t j = 0; j < rank; ++j)
@@ -82,7 +90,7 @@ void AddSlotRows(const Tables& t, const PoolShare& pool, int64_t slot, int64_t r
 // Validates slots, ranks and the offsets of every row a segment uses (once per slot) and
 // fills problem.segments with the active segments; `rows` holds their row pointers.
 void BuildSegments(const Tables& t, const PoolShare& pool, int64_t layer, const int32_t* starts,
-                   int64_t num_segments, SgmvProblem& problem, std::vector<const float*>& rows) {
+                   int64_t num_segments, SgmvProblem& problem, std::vector<const void*>& rows) {
   std::vector<int64_t> slot_rows(t.num_slots, -1);  // where a slot's pointers start in rows
   std::vector<int64_t> active;                      // segment indices
   for (int64_t s = 0; s < num_segments; ++s) {
@@ -100,7 +108,7 @@ void BuildSegments(const Tables& t, const PoolShare& pool, int64_t layer, const 
   }
   for (int64_t s : active) {  // rows no longer grows: its pointers are stable now
     const int64_t slot = t.slots[s];
-    const float* const* base = rows.data() + slot_rows[slot];
+    const void* const* base = rows.data() + slot_rows[slot];
     problem.segments.push_back(
         {starts[s], starts[s + 1], t.ranks[slot], t.scales[slot], base, base + t.ranks[slot]});
   }
@@ -116,6 +124,13 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
+  const int64_t dtype = ReadAdapterDtype(ki);
+  if (dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT &&
+      dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)
+    Fail("attribute 'adapter_dtype' = ", dtype,
+         " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows) or 16 (BFLOAT16, "
+         "bfloat16 rows in the float32 pool)");
+  bf16_rows_ = dtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 }
 
 OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
@@ -136,15 +151,16 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
 
   const int64_t half = in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount();
   const PoolShare pool{in.key_cache.value.GetTensorData<float>(),
-                       in.value_cache.value.GetTensorData<float>(), half};
+                       in.value_cache.value.GetTensorData<float>(), half, bf16_rows_};
   SgmvProblem problem{in.x.value.GetTensorData<float>(),
                       in.y.value.GetTensorData<float>(),
                       nullptr,
                       num_rows,
                       in.x.shape[1],
                       in.y.shape[1],
+                      bf16_rows_ ? SgmvRowType::kBFloat16 : SgmvRowType::kFloat32,
                       {}};
-  std::vector<const float*> rows;
+  std::vector<const void*> rows;
   BuildSegments(ReadTables(in, layer_), pool, layer_, starts, num_segments, problem, rows);
   problem.y_out = ctx.GetOutput(0, in.y.shape).GetTensorMutableData<float>();
   LoraSgmvCpu(problem, OrtParallelFor, &ctx);

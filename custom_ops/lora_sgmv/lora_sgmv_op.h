@@ -38,6 +38,7 @@ struct LoraSgmvKernel {
  private:
   void Compute(OrtKernelContext* context);
   int64_t layer_;
+  bool bf16_rows_;  // attribute adapter_dtype = 16
 };
 
 struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {

@@ -3,7 +3,8 @@
 `lora_sgmv` is the readable definition of the op (custom_ops/lora_sgmv/lora_sgmv_op.h) and the
 oracle its tests compare the kernel with. `place_random_adapters` lays adapters' A and B^T rows
 out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
-for tests and benchmarks.
+for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16") bfloat16
+values packed two per float32 pool element, the first in its low 16 bits (little-endian).
 """
 
 from __future__ import annotations
@@ -12,9 +13,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
 
-def _pool_row(region: np.ndarray, num_key: int, offset: int, length: int, what: str) -> np.ndarray:
-    """Row [offset, offset + length) of the flat pool share; it must not cross K/V or the end."""
+ADAPTER_DTYPES = {"float32": 1, "bfloat16": 16}  # name -> LoraSGMV attribute adapter_dtype
+BF16_NAN_PAIR = 0x7FC07FC0  # a float32 NaN whose two bfloat16 halves are NaN as well
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of uint16 bfloat16 bit patterns: exact (bits << 16)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _check_adapter_dtype(adapter_dtype: str) -> None:
+    if adapter_dtype not in ADAPTER_DTYPES:
+        raise ValueError(
+            f"adapter_dtype must be one of {list(ADAPTER_DTYPES)}, got {adapter_dtype!r}"
+        )
+
+
+def _row_elems(features: int, adapter_dtype: str) -> int:
+    """Pool (float32) elements a row of `features` values occupies."""
+    return -(-features // 2) if adapter_dtype == "bfloat16" else features
+
+
+def _pool_row(
+    region: np.ndarray, num_key: int, offset: int, features: int, what: str, adapter_dtype: str
+) -> np.ndarray:
+    """float64 [features]: the row at pool element `offset` of the flat float32 pool share; the
+    pool elements it spans must not cross K/V or the end."""
+    length = _row_elems(features, adapter_dtype)
     end = offset + length
     inside_key = offset >= 0 and end <= num_key
     inside_value = num_key <= offset and end <= region.size
@@ -23,7 +50,10 @@ def _pool_row(region: np.ndarray, num_key: int, offset: int, length: int, what: 
             f"{what} = {offset}: a row of {length} elements must lie inside key_cache "
             f"[0, {num_key}) or value_cache [{num_key}, {region.size}) (out-of-range page)"
         )
-    return region[offset:end]
+    if adapter_dtype == "float32":
+        return region[offset:end].astype(np.float64)
+    halves = region[offset:end].view(np.uint16)[:features]  # little-endian: low half first
+    return bfloat16_bits_to_float32(halves).astype(np.float64)
 
 
 def lora_sgmv(
@@ -38,6 +68,7 @@ def lora_sgmv(
     ranks: np.ndarray,  # int32 [num_layers, num_slots]
     scales: np.ndarray,  # float [num_layers, num_slots]
     layer: int,
+    adapter_dtype: str = "float32",
 ) -> np.ndarray:
     """y_out float32 [T, out]: y plus every segment's LoRA delta, computed in float64.
 
@@ -51,10 +82,15 @@ def lora_sgmv(
           y_out[t] += scales[layer, slot] * (x[t] @ A^T) @ Bt
       A row lies entirely inside key_cache or entirely inside value_cache.
       Offsets of rows j >= r are never read (they may hold anything, e.g. -1).
+    adapter_dtype="bfloat16" (attribute adapter_dtype = 16): a row at pool element o holds
+      bfloat16 values: region viewed as uint16 (little-endian), elements [2 o, 2 o + len),
+      widened exactly (bits << 16); it spans ceil(len / 2) pool elements, which must lie
+      inside key_cache or value_cache.
     """
+    _check_adapter_dtype(adapter_dtype)
     num_key = key_cache.size
-    region = np.concatenate([key_cache.ravel(), value_cache.ravel()]).astype(np.float64)
-    in_features, out_features = x.shape[1], y.shape[1]
+    region = np.concatenate([key_cache.ravel(), value_cache.ravel()]).astype(np.float32)
+    in_f, out_f = x.shape[1], y.shape[1]
     y_out = y.astype(np.float64)  # [T, out]
     for s, slot in enumerate(seg_slots):
         rank = int(ranks[layer, slot]) if slot >= 0 else 0
@@ -62,11 +98,11 @@ def lora_sgmv(
             continue
         t0, t1 = int(seg_starts[s]), int(seg_starts[s + 1])
         a_rows = [
-            _pool_row(region, num_key, int(a_offsets[slot, j]), in_features, "a_offset")
+            _pool_row(region, num_key, int(a_offsets[slot, j]), in_f, "a_offset", adapter_dtype)
             for j in range(rank)
         ]
         bt_rows = [
-            _pool_row(region, num_key, int(b_offsets[slot, j]), out_features, "b_offset")
+            _pool_row(region, num_key, int(b_offsets[slot, j]), out_f, "b_offset", adapter_dtype)
             for j in range(rank)
         ]
         shrunk = x[t0:t1].astype(np.float64) @ np.stack(a_rows).T  # [n, r]
@@ -76,9 +112,22 @@ def lora_sgmv(
 
 def _aligned_full(n: int, value: float, align: int = 64) -> np.ndarray:
     """float32 [n] filled with value, starting on an `align`-byte boundary."""
-    buf = np.full(n + align // 4, value, dtype=np.float32)
+    buf = np.empty(n + align // 4, dtype=np.float32)
+    buf[...] = value
     skip = (-buf.ctypes.data % align) // 4
     return buf[skip : skip + n]
+
+
+_BF16_NAN_PAIR_F32 = np.array(BF16_NAN_PAIR, np.uint32).view(np.float32)
+
+
+def _write_row(dst: np.ndarray, values: np.ndarray, adapter_dtype: str) -> None:
+    """Stores values [features] into the float32 pool elements dst as the row type."""
+    if adapter_dtype == "float32":
+        dst[...] = values
+        return
+    halves = dst.view(np.uint16)  # [2 * len(dst)], the last one padding if features is odd
+    halves[: values.size] = float32_to_bfloat16_bits(values.astype(np.float32))
 
 
 @dataclass
@@ -98,6 +147,7 @@ def place_random_adapters(
     out_features: int,
     page_shape: tuple[int, int, int] = (16, 2, 16),
     max_gap: int = 3,
+    adapter_dtype: str = "float32",
 ) -> PlacedAdapters:
     """Places slot s's A [slot_ranks[s], in] and B^T [slot_ranks[s], out] rows in a fresh pool.
 
@@ -108,17 +158,23 @@ def place_random_adapters(
     64-byte boundary (numpy alone gives 16), so max_gap=0 with row lengths that are multiples
     of 16 gives cache-line-aligned rows.
     page_shape is (block_size, kv_heads, head_dim).
+    adapter_dtype="bfloat16": rows hold the values rounded to bfloat16 (nearest even), packed
+    two per pool element; offsets and gaps count pool elements, a row of odd length ends with
+    one bfloat16 of padding (NaN), and every other pool element is NaN in both halves.
     """
+    _check_adapter_dtype(adapter_dtype)
     if min(slot_ranks, default=0) < 0:
         raise ValueError(f"slot_ranks must be >= 0, got {slot_ranks}")
     rows = [(s, j, kind) for s, r in enumerate(slot_ranks) for j in range(r) for kind in "ab"]
     rows = [rows[i] for i in rng.permutation(len(rows))]
-    length = {"a": in_features, "b": out_features}
+    features = {"a": in_features, "b": out_features}
+    length = {kind: _row_elems(n, adapter_dtype) for kind, n in features.items()}
     page_elems = int(np.prod(page_shape))
     needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
     num_pages = max(1, -(-needed // (2 * page_elems)) + 1)
     half = num_pages * page_elems
-    region = _aligned_full(2 * half, np.nan)  # 64-byte aligned, as ORT allocates tensors
+    nan = np.float32(np.nan) if adapter_dtype == "float32" else _BF16_NAN_PAIR_F32
+    region = _aligned_full(2 * half, nan)  # 64-byte aligned, as ORT allocates tensors
     max_rank = max(slot_ranks, default=0)
     offsets = {kind: np.full((len(slot_ranks), max_rank), -1, np.int64) for kind in "ab"}
     cursor = 0
@@ -127,8 +183,8 @@ def place_random_adapters(
         if cursor < half < cursor + length[kind]:
             cursor = half  # the row would straddle K/V: start it at value_cache
         fan_in = in_features if kind == "a" else slot_ranks[s]
-        values = rng.standard_normal(length[kind]) / np.sqrt(fan_in)
-        region[cursor : cursor + length[kind]] = values
+        values = rng.standard_normal(features[kind]) / np.sqrt(fan_in)
+        _write_row(region[cursor : cursor + length[kind]], values, adapter_dtype)
         offsets[kind][s, j] = cursor
         cursor += length[kind]
     assert cursor <= region.size, "pool sized too small"
