@@ -67,6 +67,12 @@ LoraSgmvCudaKernel::LoraSgmvCudaKernel(const OrtKernelInfo* info, SgmvDtype dtyp
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
+  // Rows are always the pool's own element type here (no packed bfloat16 in a float pool).
+  const int64_t adapter_dtype = ReadAdapterDtype(ki, ToOnnx(dtype));
+  if (adapter_dtype != ToOnnx(dtype))
+    Fail("attribute 'adapter_dtype' = ", adapter_dtype, " is not supported by the CUDA op for ",
+         TypeName(ToOnnx(dtype)), ": it must be ", static_cast<int>(ToOnnx(dtype)),
+         " (the pool's element type) or absent");
 }
 
 OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {

@@ -5,6 +5,10 @@
 //   7 b_offsets int64 [num_slots, max_rank]  8 ranks int32 [L, num_slots]
 //   9 scales float [L, num_slots]                                         (host, see below)
 //   output 0 y_out T [T, out] (device); attribute layer.
+// Attribute adapter_dtype (optional int): adapter rows are always T here, so if present it must
+// be T's ONNX element type (10 float16, 16 bfloat16); any other value fails at kernel creation.
+// (Packed bfloat16 rows in a float32 pool are the CPU op's alone; the exporter never sets the
+// attribute on CUDA graphs.) This check has no test without a GPU.
 // Metadata choice: inputs 4..9 are declared OrtMemTypeCPUInput, so ORT hands them over in host
 // memory (graph inputs bound on the CPU are used as they are). The kernel validates them on the
 // host exactly like the CPU op (a bad offset is an error, never an out-of-bounds read), builds

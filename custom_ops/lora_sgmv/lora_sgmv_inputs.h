@@ -68,13 +68,13 @@ bool HasAttribute(const Ort::ConstKernelInfo& ki, const char* name) {
 }
 
 // The optional int attribute adapter_dtype (an ONNX TensorProto element type: the type of the
-// adapter rows in the pool), or 1 (FLOAT) when absent. Each op checks the value it allows.
-inline int64_t ReadAdapterDtype(const Ort::ConstKernelInfo& ki) {
+// adapter rows in the pool), or `absent` when the node has none. Each op checks the value.
+inline int64_t ReadAdapterDtype(const Ort::ConstKernelInfo& ki, int64_t absent) {
   constexpr const char* kName = "adapter_dtype";
   if (HasAttribute<int64_t>(ki, kName)) return ki.GetAttribute<int64_t>(kName);
   if (HasAttribute<float>(ki, kName) || HasAttribute<std::string>(ki, kName))
     Fail("attribute '", kName, "' must be an int (an ONNX TensorProto element type)");
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return absent;
 }
 
 }  // namespace ort_lora

@@ -124,7 +124,7 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
-  const int64_t dtype = ReadAdapterDtype(ki);
+  const int64_t dtype = ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   if (dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT &&
       dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)
     Fail("attribute 'adapter_dtype' = ", dtype,

@@ -21,7 +21,16 @@
 //   7 b_offsets   int64 [num_slots, max_rank]
 //   8 ranks       int32 [num_layers, num_slots]   0 <= rank <= max_rank
 //   9 scales      float [num_layers, num_slots]
-// Attribute: layer (int) selects the row of ranks and scales.
+// Attributes:
+//   layer (int) selects the row of ranks and scales.
+//   adapter_dtype (int, optional; an ONNX TensorProto element type) is the type of the rows:
+//     absent or 1 (FLOAT): A_j and Bt_j are float32 pool elements, as above.
+//     16 (BFLOAT16): rows are bfloat16 packed two per float32 pool element. The row at pool
+//       element o is the region seen as uint16 (little-endian: an element's first bfloat16 is
+//       its low 16 bits), bfloat16 elements [2 o, 2 o + len), widened exactly (bits << 16);
+//       it spans ceil(len / 2) pool elements, all inside key_cache or inside value_cache (an
+//       odd len leaves one padding bfloat16, never read). Accumulation stays float32.
+//     Any other value fails at kernel creation, naming the attribute and the allowed values.
 // Limits: rank <= 512 (kMaxRank). Bad inputs (shapes, non-monotonic seg_starts, slot or rank
 // out of range, a used row outside key_cache / value_cache) fail with an error naming them;
 // offsets of rows j >= rank are never read. The kernel is lora_sgmv_cpu.h.
