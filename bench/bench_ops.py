@@ -2,6 +2,8 @@
 
   LoraSGMV        vs numpy (BLAS) matmuls doing the same FLOPs on dense, gathered weights:
                   x_s @ A_s^T, then @ B_s^T, per segment  -> FLOP-rate ratio (target >= 50 %)
+  LoraSGMV rows   float32 vs bfloat16 adapter rows (attribute adapter_dtype = 16) at decode and
+                  prefill shapes -> speedup and bytes moved per call
   PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %)
 
 Usage: python bench/bench_ops.py [--quick] [--out results/bench_ops.json]
@@ -39,7 +41,11 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 import ort_lora  # noqa: E402
-from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters  # noqa: E402
+from ort_lora.ops.lora_sgmv_ref import (  # noqa: E402
+    ADAPTER_DTYPES,
+    lora_sgmv,
+    place_random_adapters,
+)
 
 F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
 
@@ -104,9 +110,11 @@ SGMV_INPUTS = [
 ]  # fmt: skip
 
 
-def sgmv_feeds(rng, rows, adapters, rank, in_f, out_f):
+def sgmv_feeds(rng, rows, adapters, rank, in_f, out_f, adapter_dtype="float32"):
     """Equal segments, one per adapter; adapters placed in a pool of (16, 8, 128) pages."""
-    placed = place_random_adapters(rng, [rank] * adapters, in_f, out_f, (16, 8, 128), max_gap=0)
+    placed = place_random_adapters(
+        rng, [rank] * adapters, in_f, out_f, (16, 8, 128), max_gap=0, adapter_dtype=adapter_dtype
+    )
     seg_starts = np.linspace(0, rows, adapters + 1).astype(np.int32)
     return {
         "y": aligned(rng.standard_normal((rows, out_f), dtype=np.float32)),
@@ -170,6 +178,39 @@ def bench_sgmv(name, rows, adapters, rank, in_f, out_f, reps, seed, clock):
         "ratio": t_blas / t_op,
         "op_min_ms": t_op_min * 1e3, "blas_min_ms": t_blas_min * 1e3,
         "ratio_min": t_blas_min / t_op_min,
+    }  # fmt: skip
+
+
+def sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, dtype, seed):
+    """A bound LoraSGMV call whose adapter rows are `dtype`, checked against the reference."""
+    feeds = sgmv_feeds(np.random.default_rng(seed), rows, adapters, rank, in_f, out_f, dtype)
+    attrs = {} if dtype == "float32" else {"adapter_dtype": ADAPTER_DTYPES[dtype]}
+    sess = one_node_session("LoraSGMV", SGMV_INPUTS, [("y_out", F32, 2)], layer=0, **attrs)
+    y_out = aligned(np.empty_like(feeds["y"]))
+    run_op = bound_runner(sess, feeds, "y_out", y_out)
+    run_op()
+    ref = lora_sgmv(**feeds, layer=0, adapter_dtype=dtype)
+    np.testing.assert_allclose(y_out, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    return run_op
+
+
+def bench_sgmv_row_dtypes(name, rows, adapters, rank, in_f, out_f, reps, seed, clock):
+    """float32 vs bfloat16 adapter rows, same shapes; bytes = adapter rows read + x, y, y_out."""
+    times = {}
+    for dtype in ("float32", "bfloat16"):
+        run_op = sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, dtype, seed)
+        times[dtype] = run_times(run_op, reps, clock)
+    act_bytes = 4 * rows * (in_f + 2 * out_f)
+    row_values = adapters * rank * (in_f + out_f)
+    f32_bytes, bf16_bytes = 4 * row_values + act_bytes, 2 * row_values + act_bytes
+    (t32, t32_min), (t16, t16_min) = times["float32"], times["bfloat16"]
+    return {
+        "case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f, "out": out_f,
+        "f32_ms": t32 * 1e3, "bf16_ms": t16 * 1e3, "speedup": t32 / t16,
+        "f32_mb": f32_bytes / 1e6, "bf16_mb": bf16_bytes / 1e6,
+        "f32_gbps": f32_bytes / t32 / 1e9, "bf16_gbps": bf16_bytes / t16 / 1e9,
+        "f32_min_ms": t32_min * 1e3, "bf16_min_ms": t16_min * 1e3,
+        "speedup_min": t32_min / t16_min,
     }  # fmt: skip
 
 
@@ -252,6 +293,13 @@ def sgmv_cases(quick: bool):
         yield (f"prefill {in_f}->{out_f}", 512 if quick else 2048, 4, 16, in_f, out_f)
 
 
+def row_dtype_cases(quick: bool):
+    """(name, rows, adapters, rank, in, out): SmolLM2's 576 -> 1536 projection, decode with 32
+    rows over 16 adapters (every segment a distinct adapter), prefill with long segments."""
+    yield ("decode 576->1536", 32, 16, 16, 576, 1536)
+    yield ("prefill 576->1536", 512 if quick else 2048, 4, 16, 576, 1536)
+
+
 def print_table(title, rows, cols):
     """First column left-aligned and wide (case names), the rest numbers."""
 
@@ -284,16 +332,26 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)
     cases = list(sgmv_cases(args.quick))
+    dtype_cases = list(row_dtype_cases(args.quick))
+    total = len(cases) + len(dtype_cases) + 1
     sgmv = []
     for i, case in enumerate(cases):
-        print(f"[{i + 1}/{len(cases) + 1}] LoraSGMV {case[0]} ...", flush=True)
+        print(f"[{i + 1}/{total}] LoraSGMV {case[0]} ...", flush=True)
         sgmv.append(bench_sgmv(*case, reps=reps, seed=i, clock=clock))
-    print(f"[{len(cases) + 1}/{len(cases) + 1}] PagedAttention decode ...", flush=True)
+    row_dtypes = []
+    for i, case in enumerate(dtype_cases):
+        print(f"[{len(cases) + i + 1}/{total}] LoraSGMV rows f32/bf16 {case[0]} ...", flush=True)
+        row_dtypes.append(bench_sgmv_row_dtypes(*case, reps=reps, seed=50 + i, clock=clock))
+    print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
     seqs = 8 if args.quick else 32
     pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
     title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
     print_table(title, sgmv, cols)
+    cols = ["case", "rows", "f32_ms", "bf16_ms", "speedup", "speedup_min", "f32_mb", "bf16_mb"]
+    cols += ["f32_gbps", "bf16_gbps"]
+    title = "LoraSGMV adapter rows float32 vs bfloat16 (MB = adapter rows + x, y, y_out per call)"
+    print_table(title, row_dtypes, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
         cols += ["ratio_min"]
@@ -304,6 +362,7 @@ def main(argv=None) -> int:
         "clock": "thread_cpu" if args.cpu_time else "wall",
         "reps": reps,
         "lora_sgmv": sgmv,
+        "lora_sgmv_row_dtypes": row_dtypes,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
