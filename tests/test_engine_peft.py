@@ -311,3 +311,38 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(
     with pytest.raises(AdapterError, match="adapter 'qv4' could not be loaded"):
         llm.generate(prompts, params, lora_request=loras)  # the offline API: all or nothing
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == want[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_export_bf16(tiny_llama_checkpoint, tmp_path_factory):
+    """The tiny export with bfloat16 adapter rows in its float32 pool."""
+    from ort_lora.export import export_model
+
+    out = tmp_path_factory.mktemp("tiny_bf16") / "model"
+    return export_model(
+        tiny_llama_checkpoint, out, block_size=8, adapter_dtype="bfloat16", progress=False
+    )
+
+
+def test_bfloat16_adapter_rows_match_peft(tiny_llama_export_bf16, hf_model, adapter_dirs, requests):
+    """bfloat16 rows in the pool (half the bytes per step): the same mixed batch as
+    test_mixed_batch_matches_peft equals PEFT whose LoRA weights are rounded to bfloat16 the
+    same way (float32 arithmetic on both sides), to the float32 tolerance."""
+    from test_adapters import bfloat16_lora
+
+    llm = LLM(tiny_llama_export_bf16, num_pages=256, max_loras=4)
+    assert llm.engine.manifest.adapter_row_pack == 2
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests],
+        params,
+        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
+    )
+    models = {None: hf_model}
+    models |= {n: bfloat16_lora(_peft_model(hf_model, adapter_dirs[n])) for n in ADAPTERS}
+    for (prompt, name), out in zip(requests, outs):
+        logp, greedy = _oracle(models[name], prompt)
+        got = [entry[prompt[pos + 1]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:])]
+        want = [logp[pos, prompt[pos + 1]] for pos in range(len(prompt) - 1)]
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"adapter {name}")
+        assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
