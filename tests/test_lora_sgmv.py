@@ -206,9 +206,21 @@ def halves_used(feeds) -> set[str]:
     return {"key" if o < half else "value" for o in used}
 
 
-@pytest.mark.parametrize("layout", ["every_row_distinct", "skewed", "t_over_1000", "t1", "t0"])
+BF16_LAYOUTS = [
+    "every_row_distinct",
+    "skewed",
+    "t_over_1000",
+    "one_adapter",
+    "repeated_slot_and_empty_segments",
+    "t1",
+    "t0",
+]
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
 def test_bf16_rows_layouts(layout):
-    """Decode (one row per adapter) and prefill (long segments) layouts, rows in K and V."""
+    """Decode (one row per adapter: rows widened as loaded) and prefill (segments of >= 8 rows:
+    rows widened once per call) layouts, with rows in K and V."""
     seed = 800 + list(LAYOUTS).index(layout)
     seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](np.random.default_rng(seed))
     feeds = make_case(seed, seg_lens, seg_slots, slot_ranks, dtype="bfloat16")

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 // Every function that passes a vector by value is always inlined into an ISA-specific clone,
 // so GCC's note that such calls would change the ABI across ISAs never applies.
@@ -155,10 +156,16 @@ struct Item {
 
 struct Plan {
   const SgmvProblem* p;
-  std::vector<int64_t> v_base;  // per segment: offset of its v [n, r] in v
-  std::vector<float> v;         // shrink results of every segment
+  std::vector<SgmvSegment> segs;   // p->segments; widened ones point at wide_values' rows
+  std::vector<int64_t> v_base;     // per segment: offset of its v [n, r] in v
+  std::vector<float> v;            // shrink results of every segment
+  std::vector<int64_t> wide_base;  // per segment: offset of its widened rows, -1 = not widened
+  std::vector<int64_t> widen;      // the segments to widen (items of the widen pass)
+  std::unique_ptr<float[]> wide_values;  // per widened segment: A [r, in], then B^T [r, out]
+  std::vector<const void*> wide_rows;    // per widened segment: r A, then r B^T row pointers
   std::vector<Item> shrink;
   std::vector<Item> expand;
+  int64_t widen_cost = 0;   // values widened
   int64_t shrink_cost = 0;  // multiply-adds of each pass
   int64_t expand_cost = 0;
 };
@@ -166,24 +173,48 @@ struct Plan {
 // Rows [0, n) x A rows [j0, j1) over columns [k0, k1): A rows outer, x rows inner, so a group
 // of A rows stays in L1 while the x rows stream by.
 template <typename V, typename R, int NR>
-ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t k, const SgmvSegment& s,
-                                 int64_t j, int64_t k0, int64_t k1, float* v) {
-  const int64_t r = s.rank;
+ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const void* const* a,
+                                 int64_t k0, int64_t k1, float scale, float* v, int64_t ldv) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4)
-    ShrinkTile<V, R, 4, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
-  for (; t < n; ++t)
-    ShrinkTile<V, R, 1, NR>(x + t * k, k, s.a_rows + j, k0, k1, s.scale, v + t * r + j, r);
+    ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
+  if (t + 2 <= n) {  // 2 rows share each load (and widening) of A
+    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
+    t += 2;
+  }
+  if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
 }
 
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
 constexpr int64_t kShrinkKBlock = 1024;
 
+// dst[0:len] = the bfloat16 row src widened to float32.
+template <typename V>
+ORT_LORA_INLINE void WidenRow(const void* src, int64_t len, float* dst) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  int64_t c = 0;
+  for (; c + kLanes <= len; c += kLanes) Store<V>(dst + c, Load<V>(h + c));
+  for (; c < len; ++c) dst[c] = ToFloat(h[c]);
+}
+
+// Widens every row of one long bfloat16 segment into its place in wide_values.
+template <typename V>
+ORT_LORA_INLINE void WidenItemBody(Plan& plan, size_t index) {
+  const int64_t seg = plan.widen[index];
+  const SgmvSegment& s = plan.p->segments[seg];
+  const int64_t in = plan.p->in_features, out = plan.p->out_features;
+  float* a = plan.wide_values.get() + plan.wide_base[seg];  // [r, in]
+  float* bt = a + s.rank * in;                              // [r, out]
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.a_rows[j], in, a + j * in);
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.bt_rows[j], out, bt + j * out);
+}
+
 template <typename V, typename R>
 ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   const Item& it = plan.shrink[index];
   const SgmvProblem& p = *plan.p;
-  const SgmvSegment& s = p.segments[it.seg];
+  const SgmvSegment& s = plan.segs[it.seg];
   const int64_t k = p.in_features, r = s.rank;
   float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * r;
   const float* x = p.x + it.row0 * k;
@@ -192,8 +223,9 @@ ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
   for (int64_t k0 = 0; k0 < k; k0 += kShrinkKBlock) {
     const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
     int64_t j = it.lo;
-    for (; j + 4 <= it.hi; j += 4) ShrinkGroup<V, R, 4>(x, n, k, s, j, k0, k1, v);
-    for (; j < it.hi; ++j) ShrinkGroup<V, R, 1>(x, n, k, s, j, k0, k1, v);
+    for (; j + 4 <= it.hi; j += 4)
+      ShrinkGroup<V, R, 4>(x, n, k, s.a_rows + j, k0, k1, s.scale, v + j, r);
+    for (; j < it.hi; ++j) ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, k0, k1, s.scale, v + j, r);
   }
 }
 
@@ -215,6 +247,21 @@ ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0
 // Bytes of B^T rows kept hot while the rows of y stream by (most of a 48 KiB L1).
 constexpr int64_t kExpandPanelBytes = 32 << 10;
 
+// Columns [c0, c1) of the item's n rows (v [n, r], y and y_out at the item's first row).
+template <typename V, typename R>
+ORT_LORA_INLINE void ExpandPanel(const float* v, int64_t n, const SgmvSegment& s, int64_t c0,
+                                 int64_t c1, const float* y, float* y_out, int64_t ldy) {
+  const int64_t r = s.rank;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4)
+    ExpandRows<V, R, 4>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+  if (t + 2 <= n) {  // 2 rows share each load (and widening) of B^T
+    ExpandRows<V, R, 2>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+    t += 2;
+  }
+  if (t < n) ExpandRows<V, R, 1>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+}
+
 template <typename V, typename R>
 ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
@@ -228,7 +275,7 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
     if (y != y_out) std::copy(y, y + n * ldy, y_out);  // a caller may update y in place
     return;
   }
-  const SgmvSegment& s = p.segments[it.seg];
+  const SgmvSegment& s = plan.segs[it.seg];
   const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
   // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
   // sized to stay in L1, is reused by every row of the item.
@@ -236,11 +283,27 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
   const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
   for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
     const int64_t c1 = std::min(c0 + panel, it.hi);
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4)
-      ExpandRows<V, R, 4>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
-    for (; t < n; ++t)
-      ExpandRows<V, R, 1>(v + t * s.rank, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+    ExpandPanel<V, R>(v, n, s, c0, c1, y, y_out, ldy);
+  }
+}
+
+// Items of widened segments read float32 rows whatever the call's row type.
+template <typename V, typename R>
+ORT_LORA_INLINE void ShrinkItem(Plan& plan, size_t index) {
+  if (sizeof(R) != sizeof(float) && plan.wide_base[plan.shrink[index].seg] >= 0) {
+    ShrinkItemBody<V, float>(plan, index);
+  } else {
+    ShrinkItemBody<V, R>(plan, index);
+  }
+}
+
+template <typename V, typename R>
+ORT_LORA_INLINE void ExpandItem(Plan& plan, size_t index) {
+  const int64_t seg = plan.expand[index].seg;
+  if (sizeof(R) != sizeof(float) && seg >= 0 && plan.wide_base[seg] >= 0) {
+    ExpandItemBody<V, float>(plan, index);
+  } else {
+    ExpandItemBody<V, R>(plan, index);
   }
 }
 
@@ -248,31 +311,37 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
 // available. R = float (float32 rows) or uint16_t (bfloat16 rows).
 template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(Plan& p, size_t i) {
-  ShrinkItemBody<V16, R>(p, i);
+  ShrinkItem<V16, R>(p, i);
 }
 template <typename R>
 __attribute__((target("avx2,fma"))) void ShrinkAvx2(Plan& p, size_t i) {
-  ShrinkItemBody<V8, R>(p, i);
+  ShrinkItem<V8, R>(p, i);
 }
 template <typename R>
 void ShrinkBase(Plan& p, size_t i) {
-  ShrinkItemBody<V4, R>(p, i);
+  ShrinkItem<V4, R>(p, i);
 }
 template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(Plan& p, size_t i) {
-  ExpandItemBody<V16, R>(p, i);
+  ExpandItem<V16, R>(p, i);
 }
 template <typename R>
 __attribute__((target("avx2,fma"))) void ExpandAvx2(Plan& p, size_t i) {
-  ExpandItemBody<V8, R>(p, i);
+  ExpandItem<V8, R>(p, i);
 }
 template <typename R>
 void ExpandBase(Plan& p, size_t i) {
-  ExpandItemBody<V4, R>(p, i);
+  ExpandItem<V4, R>(p, i);
 }
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(Plan& p, size_t i) {
+  WidenItemBody<V16>(p, i);
+}
+__attribute__((target("avx2,fma"))) void WidenAvx2(Plan& p, size_t i) { WidenItemBody<V8>(p, i); }
+void WidenBase(Plan& p, size_t i) { WidenItemBody<V4>(p, i); }
 
 using ItemFn = void (*)(Plan&, size_t);
 struct PassFns {
+  ItemFn widen;  // bfloat16 rows only
   ItemFn shrink;
   ItemFn expand;
 };
@@ -289,11 +358,13 @@ Kernels SelectKernels() {
   const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
   const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
-    return {{ShrinkAvx512<float>, ExpandAvx512<float>},
-            {ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>}};
+    return {{nullptr, ShrinkAvx512<float>, ExpandAvx512<float>},
+            {WidenAvx512, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>}};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {{ShrinkAvx2<float>, ExpandAvx2<float>}, {ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>}};
-  return {{ShrinkBase<float>, ExpandBase<float>}, {ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
+    return {{nullptr, ShrinkAvx2<float>, ExpandAvx2<float>},
+            {WidenAvx2, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>}};
+  return {{nullptr, ShrinkBase<float>, ExpandBase<float>},
+          {WidenBase, ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,6 +397,43 @@ void SplitSegment(int64_t seg, int64_t row0, int64_t row1, int64_t width, int64_
   for (int64_t r = row0; r < row1; r += row_len)
     for (int64_t c = 0; c < width; c += lo_len)
       out.push_back({seg, r, std::min(r + row_len, row1), c, std::min(c + lo_len, width)});
+}
+
+// Long bfloat16 segments (prefill) are widened to float32 once per call, in a pass of their
+// own, and run the float32 tiles: a value is converted once, not once per 4-row tile of x.
+// Short ones (decode) convert as they load, reading half the bytes.
+constexpr int64_t kWidenMinRows = 8;
+constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
+
+void PlanWiden(Plan& plan) {
+  const SgmvProblem& p = *plan.p;
+  plan.segs = p.segments;
+  plan.wide_base.assign(p.segments.size(), -1);
+  if (p.row_type != SgmvRowType::kBFloat16) return;
+  int64_t rows = 0;
+  for (size_t i = 0; i < p.segments.size(); ++i) {
+    const SgmvSegment& s = p.segments[i];
+    const int64_t values = s.rank * (p.in_features + p.out_features);
+    if (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues)
+      continue;
+    plan.wide_base[i] = plan.widen_cost;
+    plan.widen.push_back(i);
+    plan.widen_cost += values;
+    rows += 2 * s.rank;
+  }
+  plan.wide_values.reset(new float[plan.widen_cost]);
+  plan.wide_rows.resize(rows);
+  const void** next = plan.wide_rows.data();
+  for (int64_t i : plan.widen) {
+    SgmvSegment& s = plan.segs[i];
+    const float* a = plan.wide_values.get() + plan.wide_base[i];  // [r, in]
+    const float* bt = a + s.rank * p.in_features;                 // [r, out]
+    for (int64_t j = 0; j < s.rank; ++j) next[j] = a + j * p.in_features;
+    for (int64_t j = 0; j < s.rank; ++j) next[s.rank + j] = bt + j * p.out_features;
+    s.a_rows = next;
+    s.bt_rows = next + s.rank;
+    next += 2 * s.rank;
+  }
 }
 
 void PlanShrink(Plan& plan) {
@@ -405,9 +513,11 @@ void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* r
     v_size += (s.row_end - s.row_begin) * s.rank;
   }
   plan.v.resize(v_size);
+  PlanWiden(plan);
   PlanShrink(plan);
   PlanExpand(plan);
   const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16 : kernels.f32;
+  RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for, runner);
   RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);
   RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for, runner);
 }
