@@ -7,7 +7,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
+
+#include "lora_sgmv/lora_sgmv_plan.h"
 
 // Every function that passes a vector by value is always inlined into an ISA-specific clone,
 // so GCC's note that such calls would change the ABI across ISAs never applies.
@@ -22,25 +23,6 @@ typedef float V16 __attribute__((vector_size(64), aligned(4)));
 typedef float V8 __attribute__((vector_size(32), aligned(4)));
 typedef float V4 __attribute__((vector_size(16), aligned(4)));
 
-// The bfloat16 bit patterns of one float vector's lanes (U16) and their widened form (U32).
-template <typename V>
-struct Bf16Vec;
-template <>
-struct Bf16Vec<V16> {
-  typedef uint16_t U16 __attribute__((vector_size(32), aligned(2)));
-  typedef uint32_t U32 __attribute__((vector_size(64)));
-};
-template <>
-struct Bf16Vec<V8> {
-  typedef uint16_t U16 __attribute__((vector_size(16), aligned(2)));
-  typedef uint32_t U32 __attribute__((vector_size(32)));
-};
-template <>
-struct Bf16Vec<V4> {
-  typedef uint16_t U16 __attribute__((vector_size(8), aligned(2)));
-  typedef uint32_t U32 __attribute__((vector_size(16)));
-};
-
 template <typename V>
 ORT_LORA_INLINE V Load(const float* p) {
   V v;
@@ -48,13 +30,21 @@ ORT_LORA_INLINE V Load(const float* p) {
   return v;
 }
 
-// Lanes of bfloat16 widened to float32 exactly: zero-extend, shift into the high half
-// (vpmovzxwd + vpslld on x86).
+// Lanes of bfloat16 widened to float32 exactly: zero-extend, shift into the high half. (GCC 12
+// emits vpmovzxwd per 128 bits plus inserts for this, intrinsics included; still cheaper than
+// the float32 bytes it saves when rows come from memory.)
+template <int kLanes>
+struct Bf16Bits {  // by lane count: a vector type with attributes cannot be a template argument
+  typedef uint16_t U16 __attribute__((vector_size(2 * kLanes), aligned(2)));
+  typedef uint32_t U32 __attribute__((vector_size(4 * kLanes)));
+};
+
 template <typename V>
 ORT_LORA_INLINE V Load(const uint16_t* p) {
-  typename Bf16Vec<V>::U16 h;
+  using Bits = Bf16Bits<sizeof(V) / sizeof(float)>;
+  typename Bits::U16 h;
   __builtin_memcpy(&h, p, sizeof(h));
-  const auto w = __builtin_convertvector(h, typename Bf16Vec<V>::U32) << 16;
+  const auto w = __builtin_convertvector(h, typename Bits::U32) << 16;
   V v;
   __builtin_memcpy(&v, &w, sizeof(V));
   return v;
@@ -144,32 +134,6 @@ ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Work items. A shrink item covers rows [row0, row1) x A rows [j0, j1) of one segment; an
-// expand item covers rows [row0, row1) x columns [c0, c1) of one segment (seg < 0: copy y).
-
-struct Item {
-  int64_t seg;
-  int64_t row0, row1;
-  int64_t lo, hi;  // shrink: A rows [lo, hi); expand: columns [lo, hi)
-};
-
-struct Plan {
-  const SgmvProblem* p;
-  std::vector<SgmvSegment> segs;   // p->segments; widened ones point at wide_values' rows
-  std::vector<int64_t> v_base;     // per segment: offset of its v [n, r] in v
-  std::vector<float> v;            // shrink results of every segment
-  std::vector<int64_t> wide_base;  // per segment: offset of its widened rows, -1 = not widened
-  std::vector<int64_t> widen;      // the segments to widen (items of the widen pass)
-  std::unique_ptr<float[]> wide_values;  // per widened segment: A [r, in], then B^T [r, out]
-  std::vector<const void*> wide_rows;    // per widened segment: r A, then r B^T row pointers
-  std::vector<Item> shrink;
-  std::vector<Item> expand;
-  int64_t widen_cost = 0;   // values widened
-  int64_t shrink_cost = 0;  // multiply-adds of each pass
-  int64_t expand_cost = 0;
-};
-
 // Rows [0, n) x A rows [j0, j1) over columns [k0, k1): A rows outer, x rows inner, so a group
 // of A rows stays in L1 while the x rows stream by.
 template <typename V, typename R, int NR>
@@ -200,7 +164,7 @@ ORT_LORA_INLINE void WidenRow(const void* src, int64_t len, float* dst) {
 
 // Widens every row of one long bfloat16 segment into its place in wide_values.
 template <typename V>
-ORT_LORA_INLINE void WidenItemBody(Plan& plan, size_t index) {
+ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   const int64_t seg = plan.widen[index];
   const SgmvSegment& s = plan.p->segments[seg];
   const int64_t in = plan.p->in_features, out = plan.p->out_features;
@@ -211,8 +175,8 @@ ORT_LORA_INLINE void WidenItemBody(Plan& plan, size_t index) {
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ShrinkItemBody(Plan& plan, size_t index) {
-  const Item& it = plan.shrink[index];
+ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
+  const SgmvCpuItem& it = plan.shrink[index];
   const SgmvProblem& p = *plan.p;
   const SgmvSegment& s = plan.segs[it.seg];
   const int64_t k = p.in_features, r = s.rank;
@@ -263,9 +227,9 @@ ORT_LORA_INLINE void ExpandPanel(const float* v, int64_t n, const SgmvSegment& s
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
+ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-  const Item& it = plan.expand[index];
+  const SgmvCpuItem& it = plan.expand[index];
   const SgmvProblem& p = *plan.p;
   const int64_t ldy = p.out_features;
   const float* y = p.y + it.row0 * ldy;
@@ -289,7 +253,7 @@ ORT_LORA_INLINE void ExpandItemBody(Plan& plan, size_t index) {
 
 // Items of widened segments read float32 rows whatever the call's row type.
 template <typename V, typename R>
-ORT_LORA_INLINE void ShrinkItem(Plan& plan, size_t index) {
+ORT_LORA_INLINE void ShrinkItem(SgmvCpuPlan& plan, size_t index) {
   if (sizeof(R) != sizeof(float) && plan.wide_base[plan.shrink[index].seg] >= 0) {
     ShrinkItemBody<V, float>(plan, index);
   } else {
@@ -298,7 +262,7 @@ ORT_LORA_INLINE void ShrinkItem(Plan& plan, size_t index) {
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ExpandItem(Plan& plan, size_t index) {
+ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index) {
   const int64_t seg = plan.expand[index].seg;
   if (sizeof(R) != sizeof(float) && seg >= 0 && plan.wide_base[seg] >= 0) {
     ExpandItemBody<V, float>(plan, index);
@@ -310,36 +274,38 @@ ORT_LORA_INLINE void ExpandItem(Plan& plan, size_t index) {
 // One clone per instruction set and row type; the vector width follows the widest registers
 // available. R = float (float32 rows) or uint16_t (bfloat16 rows).
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(Plan& p, size_t i) {
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(SgmvCpuPlan& p, size_t i) {
   ShrinkItem<V16, R>(p, i);
 }
 template <typename R>
-__attribute__((target("avx2,fma"))) void ShrinkAvx2(Plan& p, size_t i) {
+__attribute__((target("avx2,fma"))) void ShrinkAvx2(SgmvCpuPlan& p, size_t i) {
   ShrinkItem<V8, R>(p, i);
 }
 template <typename R>
-void ShrinkBase(Plan& p, size_t i) {
+void ShrinkBase(SgmvCpuPlan& p, size_t i) {
   ShrinkItem<V4, R>(p, i);
 }
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(Plan& p, size_t i) {
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(SgmvCpuPlan& p, size_t i) {
   ExpandItem<V16, R>(p, i);
 }
 template <typename R>
-__attribute__((target("avx2,fma"))) void ExpandAvx2(Plan& p, size_t i) {
+__attribute__((target("avx2,fma"))) void ExpandAvx2(SgmvCpuPlan& p, size_t i) {
   ExpandItem<V8, R>(p, i);
 }
 template <typename R>
-void ExpandBase(Plan& p, size_t i) {
+void ExpandBase(SgmvCpuPlan& p, size_t i) {
   ExpandItem<V4, R>(p, i);
 }
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(Plan& p, size_t i) {
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(SgmvCpuPlan& p, size_t i) {
   WidenItemBody<V16>(p, i);
 }
-__attribute__((target("avx2,fma"))) void WidenAvx2(Plan& p, size_t i) { WidenItemBody<V8>(p, i); }
-void WidenBase(Plan& p, size_t i) { WidenItemBody<V4>(p, i); }
+__attribute__((target("avx2,fma"))) void WidenAvx2(SgmvCpuPlan& p, size_t i) {
+  WidenItemBody<V8>(p, i);
+}
+void WidenBase(SgmvCpuPlan& p, size_t i) { WidenItemBody<V4>(p, i); }
 
-using ItemFn = void (*)(Plan&, size_t);
+using ItemFn = void (*)(SgmvCpuPlan&, size_t);
 struct PassFns {
   ItemFn widen;  // bfloat16 rows only
   ItemFn shrink;
@@ -367,120 +333,8 @@ Kernels SelectKernels() {
           {WidenBase, ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
 }
 
-// ---------------------------------------------------------------------------------------------
-// Planning: split each segment into pieces of about equal cost (multiply-adds), so that a
-// decode call (many one-row segments) and a prefill call (few long segments) both give the
-// thread pool many similar items.
-
-constexpr int64_t kItemsPerPass = 64;      // enough items to balance any sane thread count
-constexpr int64_t kMinItemCost = 1 << 15;  // below this, dispatch overhead dominates
-constexpr int64_t kCopyItemFloats = 1 << 16;
-constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Chunk length (a multiple of align, or all of n) that cuts n into about `pieces` chunks.
-int64_t ChunkLen(int64_t n, int64_t pieces, int64_t align) {
-  const int64_t len = CeilDiv(CeilDiv(n, std::max<int64_t>(pieces, 1)), align) * align;
-  return std::min(std::max(len, align), n);
-}
-
-// Appends items for rows [row0, row1) x [0, width): rows first (in `row_align` blocks), then
-// the second axis (in `lo_align` chunks) when the rows alone give too few pieces.
-void SplitSegment(int64_t seg, int64_t row0, int64_t row1, int64_t width, int64_t cost,
-                  int64_t target, int64_t lo_align, std::vector<Item>& out) {
-  const int64_t n = row1 - row0;
-  const int64_t pieces = std::max<int64_t>(1, CeilDiv(cost, target));
-  const int64_t row_len = ChunkLen(n, pieces, 4);
-  const int64_t lo_pieces = CeilDiv(pieces, CeilDiv(n, row_len));
-  const int64_t lo_len = ChunkLen(width, lo_pieces, lo_align);
-  for (int64_t r = row0; r < row1; r += row_len)
-    for (int64_t c = 0; c < width; c += lo_len)
-      out.push_back({seg, r, std::min(r + row_len, row1), c, std::min(c + lo_len, width)});
-}
-
-// Long bfloat16 segments (prefill) are widened to float32 once per call, in a pass of their
-// own, and run the float32 tiles: a value is converted once, not once per 4-row tile of x.
-// Short ones (decode) convert as they load, reading half the bytes.
-constexpr int64_t kWidenMinRows = 8;
-constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
-
-void PlanWiden(Plan& plan) {
-  const SgmvProblem& p = *plan.p;
-  plan.segs = p.segments;
-  plan.wide_base.assign(p.segments.size(), -1);
-  if (p.row_type != SgmvRowType::kBFloat16) return;
-  int64_t rows = 0;
-  for (size_t i = 0; i < p.segments.size(); ++i) {
-    const SgmvSegment& s = p.segments[i];
-    const int64_t values = s.rank * (p.in_features + p.out_features);
-    if (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues)
-      continue;
-    plan.wide_base[i] = plan.widen_cost;
-    plan.widen.push_back(i);
-    plan.widen_cost += values;
-    rows += 2 * s.rank;
-  }
-  plan.wide_values.reset(new float[plan.widen_cost]);
-  plan.wide_rows.resize(rows);
-  const void** next = plan.wide_rows.data();
-  for (int64_t i : plan.widen) {
-    SgmvSegment& s = plan.segs[i];
-    const float* a = plan.wide_values.get() + plan.wide_base[i];  // [r, in]
-    const float* bt = a + s.rank * p.in_features;                 // [r, out]
-    for (int64_t j = 0; j < s.rank; ++j) next[j] = a + j * p.in_features;
-    for (int64_t j = 0; j < s.rank; ++j) next[s.rank + j] = bt + j * p.out_features;
-    s.a_rows = next;
-    s.bt_rows = next + s.rank;
-    next += 2 * s.rank;
-  }
-}
-
-void PlanShrink(Plan& plan) {
-  const SgmvProblem& p = *plan.p;
-  int64_t total = 0;
-  for (const SgmvSegment& s : p.segments)
-    total += (s.row_end - s.row_begin) * s.rank * p.in_features;
-  plan.shrink_cost = total;
-  const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
-  for (size_t i = 0; i < p.segments.size(); ++i) {
-    const SgmvSegment& s = p.segments[i];
-    const int64_t cost = (s.row_end - s.row_begin) * s.rank * p.in_features;
-    SplitSegment(i, s.row_begin, s.row_end, s.rank, cost, target, 4, plan.shrink);
-  }
-}
-
-void PlanExpand(Plan& plan) {
-  const SgmvProblem& p = *plan.p;
-  const int64_t out = p.out_features;
-  std::vector<const SgmvSegment*> order;
-  int64_t total = 0;
-  for (const SgmvSegment& s : p.segments) {
-    order.push_back(&s);
-    total += (s.row_end - s.row_begin) * (s.rank + 1) * out;
-  }
-  std::sort(order.begin(), order.end(),
-            [](const SgmvSegment* a, const SgmvSegment* b) { return a->row_begin < b->row_begin; });
-  plan.expand_cost = total + p.num_rows * out;  // + the copy of rows without an adapter
-  const int64_t target = std::max(kMinItemCost, total / kItemsPerPass);
-  const int64_t copy_rows = std::max<int64_t>(1, kCopyItemFloats / std::max<int64_t>(out, 1));
-  int64_t row = 0;
-  auto add_copy = [&](int64_t end) {
-    for (; row < end; row += copy_rows)
-      plan.expand.push_back({-1, row, std::min(row + copy_rows, end), 0, out});
-  };
-  for (const SgmvSegment* s : order) {
-    add_copy(s->row_begin);
-    const int64_t cost = (s->row_end - s->row_begin) * (s->rank + 1) * out;
-    SplitSegment(s - p.segments.data(), s->row_begin, s->row_end, out, cost, target, 64,
-                 plan.expand);
-    row = s->row_end;
-  }
-  add_copy(p.num_rows);
-}
-
 struct PassData {
-  Plan* plan;
+  SgmvCpuPlan* plan;
   ItemFn fn;
 };
 
@@ -489,9 +343,11 @@ void RunItem(void* data, size_t i) {
   d->fn(*d->plan, i);
 }
 
+constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
+
 // Runs every item of a pass: inline when it is too small to be worth waking the thread pool
 // (on a busy machine a woken thread can be descheduled mid-item and stall the whole call).
-void RunPass(Plan& plan, ItemFn fn, size_t items, int64_t cost, ParallelForFn parallel_for,
+void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost, ParallelForFn parallel_for,
              void* runner) {
   PassData data{&plan, fn};
   if (items <= 1 || cost < kSerialCost) {
@@ -505,17 +361,7 @@ void RunPass(Plan& plan, ItemFn fn, size_t items, int64_t cost, ParallelForFn pa
 
 void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner) {
   static const Kernels kernels = SelectKernels();
-  Plan plan;
-  plan.p = &problem;
-  int64_t v_size = 0;
-  for (const SgmvSegment& s : problem.segments) {
-    plan.v_base.push_back(v_size);
-    v_size += (s.row_end - s.row_begin) * s.rank;
-  }
-  plan.v.resize(v_size);
-  PlanWiden(plan);
-  PlanShrink(plan);
-  PlanExpand(plan);
+  SgmvCpuPlan plan = PlanSgmvCpu(problem);
   const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16 : kernels.f32;
   RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for, runner);
   RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);

@@ -1,0 +1,51 @@
+// LoraSGMV CPU work plan: the passes of one call cut into items of about equal cost, so that a
+// decode call (many one-row segments) and a prefill call (few long segments) both give the
+// thread pool many similar items. No ONNX Runtime types; used by lora_sgmv_cpu.cc only.
+//
+// Passes, in order: widen (bfloat16 rows of long segments -> float32 scratch, one item per
+// segment), shrink (v = scale * x A^T), expand (y_out = y + v B^T, and copies of base rows).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lora_sgmv/lora_sgmv_cpu.h"
+
+namespace ort_lora {
+
+// Work items. A shrink item covers rows [row0, row1) x A rows [j0, j1) of one segment; an
+// expand item covers rows [row0, row1) x columns [c0, c1) of one segment (seg < 0: copy y).
+
+struct SgmvCpuItem {
+  int64_t seg;
+  int64_t row0, row1;
+  int64_t lo, hi;  // shrink: A rows [lo, hi); expand: columns [lo, hi)
+};
+
+struct SgmvCpuPlan {
+  const SgmvProblem* p;
+  std::vector<SgmvSegment> segs;   // p->segments; widened ones point at wide_values' rows
+  std::vector<int64_t> v_base;     // per segment: offset of its v [n, r] in v
+  std::vector<float> v;            // shrink results of every segment
+  std::vector<int64_t> wide_base;  // per segment: offset of its widened rows, -1 = not widened
+  std::vector<int64_t> widen;      // the segments to widen (items of the widen pass)
+  std::unique_ptr<float[]> wide_values;  // per widened segment: A [r, in], then B^T [r, out]
+  std::vector<const void*> wide_rows;    // per widened segment: r A, then r B^T row pointers
+  std::vector<SgmvCpuItem> shrink;
+  std::vector<SgmvCpuItem> expand;
+  int64_t widen_cost = 0;   // values widened
+  int64_t shrink_cost = 0;  // multiply-adds of each pass
+  int64_t expand_cost = 0;
+};
+
+// Long bfloat16 segments (prefill) are widened to float32 once per call and run the float32
+// tiles: a value is converted once, not once per tile of x rows. Short ones (decode) convert
+// as they load, reading half the bytes.
+constexpr int64_t kWidenMinRows = 8;
+constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
+
+// The plan of one call; `problem` must outlive it.
+SgmvCpuPlan PlanSgmvCpu(const SgmvProblem& problem);
+
+}  // namespace ort_lora
