@@ -68,6 +68,21 @@ def run_times(fn, reps: int, clock, warmup: int = 3) -> tuple[float, float]:
     return float(np.median(times)), float(np.min(times))
 
 
+def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, float]]:
+    """(median, min) time of each fn, the fns run in turn within every rep, so a busy phase of
+    a shared machine slows them all alike (for ratios between them)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t in zip(fns, times, strict=True):
+            t0 = clock()
+            fn()
+            t.append(clock() - t0)
+    return [(float(np.median(t)), float(np.min(t))) for t in times]
+
+
 def one_node_session(op, inputs, outputs, **attrs) -> ort.InferenceSession:
     """inputs/outputs: (name, elem_type, rank); an input named "" is an omitted optional."""
     vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in inputs if n]
@@ -221,13 +236,15 @@ def sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, dtype, seed, layers
 def bench_sgmv_row_dtypes(name, rows, adapters, rank, in_f, out_f, layers, reps, seed, clock):
     """float32 vs bfloat16 adapter rows, same shapes; times per call; bytes = adapter rows read
     + x, y, y_out."""
-    times = {}
-    for dtype in ("float32", "bfloat16"):
-        run_op = sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, dtype, seed, layers)
-        warmup = 1 if layers > 1 else 3
-        median, best = run_times(run_op, max(3, reps // layers), clock, warmup)
-        times[dtype] = (median / layers, best / layers)
-        del run_op  # the next pool may be as large
+    dtypes = ("float32", "bfloat16")
+    runs = [
+        sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, d, seed, layers) for d in dtypes
+    ]
+    if layers == 1:  # warm: each alone, so that its rows stay in cache between runs
+        timed = [run_times(run, reps, clock) for run in runs]
+    else:  # cold: in turn, as a busy machine then slows both alike
+        timed = paired_times(runs, max(5, reps // layers), clock, warmup=1)
+    times = {d: (median / layers, best / layers) for d, (median, best) in zip(dtypes, timed)}
     act_bytes = 4 * rows * (in_f + 2 * out_f)
     row_values = adapters * rank * (in_f + out_f)
     f32_bytes, bf16_bytes = 4 * row_values + act_bytes, 2 * row_values + act_bytes

@@ -168,10 +168,10 @@ ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   const int64_t seg = plan.widen[index];
   const SgmvSegment& s = plan.p->segments[seg];
   const int64_t in = plan.p->in_features, out = plan.p->out_features;
-  float* a = plan.wide_values.get() + plan.wide_base[seg];  // [r, in]
-  float* bt = a + s.rank * in;                              // [r, out]
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.a_rows[j], in, a + j * in);
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.bt_rows[j], out, bt + j * out);
+  float* a = plan.wide_values + plan.wide_base[seg];  // [r, lda]
+  float* bt = a + s.rank * plan.lda;                  // [r, ldb]
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.a_rows[j], in, a + j * plan.lda);
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.bt_rows[j], out, bt + j * plan.ldb);
 }
 
 template <typename V, typename R>

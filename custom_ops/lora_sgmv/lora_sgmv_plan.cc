@@ -39,10 +39,12 @@ void PlanWiden(SgmvCpuPlan& plan) {
   plan.segs = p.segments;
   plan.wide_base.assign(p.segments.size(), -1);
   if (p.row_type != SgmvRowType::kBFloat16) return;
+  plan.lda = CeilDiv(p.in_features, 16) * 16;
+  plan.ldb = CeilDiv(p.out_features, 16) * 16;
   int64_t rows = 0;
   for (size_t i = 0; i < p.segments.size(); ++i) {
     const SgmvSegment& s = p.segments[i];
-    const int64_t values = s.rank * (p.in_features + p.out_features);
+    const int64_t values = s.rank * (plan.lda + plan.ldb);
     if (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues)
       continue;
     plan.wide_base[i] = plan.widen_cost;
@@ -50,15 +52,17 @@ void PlanWiden(SgmvCpuPlan& plan) {
     plan.widen_cost += values;
     rows += 2 * s.rank;
   }
-  plan.wide_values.reset(new float[plan.widen_cost]);
+  plan.wide_storage.reset(new float[plan.widen_cost + 16]);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(plan.wide_storage.get());
+  plan.wide_values = plan.wide_storage.get() + (-start % 64) / sizeof(float);
   plan.wide_rows.resize(rows);
   const void** next = plan.wide_rows.data();
   for (int64_t i : plan.widen) {
     SgmvSegment& s = plan.segs[i];
-    const float* a = plan.wide_values.get() + plan.wide_base[i];  // [r, in]
-    const float* bt = a + s.rank * p.in_features;                 // [r, out]
-    for (int64_t j = 0; j < s.rank; ++j) next[j] = a + j * p.in_features;
-    for (int64_t j = 0; j < s.rank; ++j) next[s.rank + j] = bt + j * p.out_features;
+    const float* a = plan.wide_values + plan.wide_base[i];  // [r, lda]
+    const float* bt = a + s.rank * plan.lda;                // [r, ldb]
+    for (int64_t j = 0; j < s.rank; ++j) next[j] = a + j * plan.lda;
+    for (int64_t j = 0; j < s.rank; ++j) next[s.rank + j] = bt + j * plan.ldb;
     s.a_rows = next;
     s.bt_rows = next + s.rank;
     next += 2 * s.rank;

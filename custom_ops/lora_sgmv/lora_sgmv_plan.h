@@ -30,11 +30,13 @@ struct SgmvCpuPlan {
   std::vector<float> v;            // shrink results of every segment
   std::vector<int64_t> wide_base;  // per segment: offset of its widened rows, -1 = not widened
   std::vector<int64_t> widen;      // the segments to widen (items of the widen pass)
-  std::unique_ptr<float[]> wide_values;  // per widened segment: A [r, in], then B^T [r, out]
-  std::vector<const void*> wide_rows;    // per widened segment: r A, then r B^T row pointers
+  std::unique_ptr<float[]> wide_storage;  // holds wide_values
+  float* wide_values = nullptr;  // 64-byte aligned; per widened segment A [r, lda], B^T [r, ldb]
+  int64_t lda = 0, ldb = 0;      // widened row strides: in, out rounded up to 16 (cache lines)
+  std::vector<const void*> wide_rows;  // per widened segment: r A, then r B^T row pointers
   std::vector<SgmvCpuItem> shrink;
   std::vector<SgmvCpuItem> expand;
-  int64_t widen_cost = 0;   // values widened
+  int64_t widen_cost = 0;   // floats of wide_values
   int64_t shrink_cost = 0;  // multiply-adds of each pass
   int64_t expand_cost = 0;
 };
