@@ -85,13 +85,21 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def ort_lora_model(hf: Path, cache: Path, block_size: int) -> Path:
-    """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU)."""
-    out = cache / "ort_lora"
+def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = "float32") -> Path:
+    """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU; adapter
+    rows float32 or bfloat16)."""
+    out = cache / ("ort_lora" if adapter_dtype == "float32" else f"ort_lora_{adapter_dtype}")
     if not (out / "model.onnx").is_file():
         from ort_lora.export import export_model
 
-        export_model(hf, out, block_size=block_size, progress=False, force=True)
+        export_model(
+            hf,
+            out,
+            block_size=block_size,
+            adapter_dtype=adapter_dtype,
+            progress=False,
+            force=True,
+        )
     return out
 
 

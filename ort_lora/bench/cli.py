@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiments", help="comma-separated subset of " + ",".join(plan.EXPERIMENTS))
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the generated adapters")
+    p.add_argument(
+        "--adapter-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     return p
@@ -59,7 +65,8 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     cache = Path(args.cache_dir).expanduser() / source.name
     hf = source.hf_checkpoint(cache)
     block = 8 if source.name == "tiny" else 16
-    models = {"hf": hf, "ort_lora": assets.ort_lora_model(hf, cache, block)}
+    models = {"hf": hf, "ort_lora": assets.ort_lora_model(hf, cache, block, args.adapter_dtype)}
+    notes.append(f"ort-lora adapter rows: {args.adapter_dtype}")
     count = max(scale.num_requests, scale.num_adapters)
     adapters = assets.random_adapters(hf, cache, count, args.rank, args.seed)
     built = dict(scale=scale, cache=cache, models=models, adapters=adapters, genai_adapters=[])
