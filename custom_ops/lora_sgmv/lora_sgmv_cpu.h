@@ -8,7 +8,8 @@
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
 // (tests use it to run the narrower kernels). Each clone exists for float32 and bfloat16 rows;
-// bfloat16 rows are widened to float32 as they are loaded (bits << 16), accumulation is float32.
+// bfloat16 rows are widened to float32 (bits << 16) as they are loaded, or, for segments of 8+
+// rows (prefill), once per call into aligned scratch (lora_sgmv_plan.h). Accumulation: float32.
 #pragma once
 
 #include <cstddef>
