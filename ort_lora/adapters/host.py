@@ -58,6 +58,7 @@ class HostAdapter:
     path: Path
     modules: dict[str, ModuleWeights] = field(default_factory=dict)
     _packings: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's cache
+    _pool_rows: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's too
 
     @property
     def nbytes(self) -> int:

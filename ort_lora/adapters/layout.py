@@ -135,9 +135,19 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
                 f"adapter {adapter.name!r} has {w.a.shape[0]} layers; the pool has {num_layers}"
             )
         ah, arel, bh, brel = pk.rows[m]
-        a, bt = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt)) if pack == 2 else (w.a, w.bt)
+        a, bt = _bfloat16_rows(adapter, m) if pack == 2 else (w.a, w.bt)
         _copy_rows(flat, a, half_start[ah] + arel)
         _copy_rows(flat, bt, half_start[bh] + brel)
+
+
+def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple[np.ndarray, np.ndarray]:
+    """The module's A and B^T rows as bfloat16 pairs, converted once per host adapter (every
+    later pool load is then a plain copy of half the float32 bytes)."""
+    cache = adapter._pool_rows
+    if module not in cache:
+        w = adapter.modules[module]
+        cache[module] = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt))
+    return cache[module]
 
 
 def _bfloat16_pairs(rows: np.ndarray) -> np.ndarray:
