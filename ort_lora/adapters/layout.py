@@ -140,6 +140,14 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
         _copy_rows(flat, bt, half_start[bh] + brel)
 
 
+def prepare_rows(adapter: HostAdapter, pack: int) -> None:
+    """Convert the rows for pool loads now (when the adapter is loaded into host memory), not
+    on its first pool load inside a step."""
+    if pack == 2:
+        for module in adapter.modules:
+            _bfloat16_rows(adapter, module)
+
+
 def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple[np.ndarray, np.ndarray]:
     """The module's A and B^T rows as bfloat16 pairs, converted once per host adapter (every
     later pool load is then a plain copy of half the float32 bytes)."""

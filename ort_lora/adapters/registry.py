@@ -14,7 +14,7 @@ import numpy as np
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from ort_lora.adapters.host import HostAdapter, load_adapter
-from ort_lora.adapters.layout import layout, num_pages_needed, write_to_pool
+from ort_lora.adapters.layout import layout, num_pages_needed, prepare_rows, write_to_pool
 from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
@@ -131,6 +131,7 @@ class AdapterRegistry:
     def _load(self, request: LoRARequest) -> HostAdapter:
         path = self._check_path(request.lora_path)
         adapter = load_adapter(request.lora_name, path, self.manifest)
+        prepare_rows(adapter, self.manifest.adapter_row_pack)
         self.stats["loads"] += 1
         return adapter
 
