@@ -201,12 +201,7 @@ def test_isolation_alone_equals_mixed(tiny_llama_export, adapter_dirs, num_pages
     )
     if num_pages == 24:
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
-    alone = LLM(tiny_llama_export, num_pages=256)
-    for (prompt, name), out in zip(reqs, mixed):
-        ref = alone.generate(
-            {"prompt_token_ids": prompt}, params, lora_request=_lora(name, adapter_dirs)
-        )[0]
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"request on {name}"
+    _assert_same_as_alone(tiny_llama_export, adapter_dirs, reqs, mixed, params)
     stats = llm.engine.pool.stats()
     assert stats.kv_pages == 0 and stats.adapter_pages_pinned == 0
 
@@ -242,8 +237,13 @@ def test_steps_wait_for_their_adapters_and_for_evicted_ones(tiny_llama_export, a
     assert any(plan.evicted for plan, _ in ran) and any(plan.prefetch for plan, _ in ran)
     for plan, waited in ran:
         assert set(waited) == {a.adapter_id for a in plan.adapters} | set(plan.evicted)
-    alone = LLM(tiny_llama_export, num_pages=256)
-    for (prompt, name), out in zip(reqs, outs):
+    _assert_same_as_alone(tiny_llama_export, adapter_dirs, reqs, outs, params)
+
+
+def _assert_same_as_alone(model_dir, adapter_dirs, reqs, outs, params) -> None:
+    """Each (prompt, adapter name) request's tokens equal running it alone in a roomy pool."""
+    alone = LLM(model_dir, num_pages=256)
+    for (prompt, name), out in zip(reqs, outs, strict=True):
         ref = alone.generate(
             {"prompt_token_ids": prompt}, params, lora_request=_lora(name, adapter_dirs)
         )[0]
