@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ort_lora.adapters import AdapterError, AdapterNotFoundError, AdapterPathError, AdapterRegistry
+from ort_lora.bfloat16 import bfloat16_bits_to_float32
 from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
@@ -100,7 +101,7 @@ def pool_delta(pool, inputs, slot, module, layer, x, pack=1):
     (pack 2: bfloat16 rows, row at offset o starts at bfloat16 element 2 o, widened exactly)."""
     flat = pool[layer].reshape(-1)  # key_cache.{l} then value_cache.{l}
     if pack == 2:
-        flat = (flat.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        flat = bfloat16_bits_to_float32(flat.view(np.uint16))
     a_off = inputs[lora_input_name(module, "a_offsets")][slot] * pack
     b_off = inputs[lora_input_name(module, "b_offsets")][slot] * pack
     r = inputs[lora_input_name(module, "ranks")][layer, slot]

@@ -15,13 +15,13 @@ import torch
 
 from ort_lora.adapters.host import HostAdapter, ModuleWeights
 from ort_lora.adapters.layout import packing, write_to_pool
+from ort_lora.bfloat16 import float32_to_bfloat16_bits
 from ort_lora.contract import ModelManifest, key_cache_name, value_cache_name
 from ort_lora.runtime.cuda_pool import (
     CudaPool,
     Load,
     PrefetchTracker,
     Staging,
-    float32_to_bfloat16_bits,
     page_runs,
     pool_bind_plan,
     pool_bytes,

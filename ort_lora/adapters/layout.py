@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ort_lora.adapters.errors import AdapterError
+from ort_lora.bfloat16 import float32_to_bfloat16_bits
 
 if TYPE_CHECKING:
     from ort_lora.adapters.host import HostAdapter
@@ -161,8 +162,6 @@ def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple[np.ndarray, np.nd
 def _bfloat16_pairs(rows: np.ndarray) -> np.ndarray:
     """float32 [L, R, n] -> uint32 [L, R, ceil(n / 2)]: bfloat16 bits, two per element (the
     first in the low half: little-endian), a zero pad after an odd n."""
-    from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
-
     bits = float32_to_bfloat16_bits(rows)  # [L, R, n] uint16
     if bits.shape[2] % 2:
         bits = np.concatenate([bits, np.zeros((*bits.shape[:2], 1), np.uint16)], axis=2)

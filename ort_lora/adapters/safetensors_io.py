@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.adapters.errors import AdapterError
+from ort_lora.bfloat16 import bfloat16_bits_to_float32
 
 _DTYPES = {
     "F32": np.dtype("<f4"),
@@ -69,6 +70,5 @@ def _tensor(name: str, info: dict, data: memoryview, path: Path) -> np.ndarray:
         )
     arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
     if dtype_name == "BF16":
-        # bfloat16 is the top half of a float32: shift into the high 16 bits.
-        return (arr.astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(arr)
     return np.ascontiguousarray(arr, dtype=np.float32)

@@ -13,15 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ort_lora.runtime.cuda_pool import float32_to_bfloat16_bits
+from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 ADAPTER_DTYPES = {"float32": 1, "bfloat16": 16}  # name -> LoraSGMV attribute adapter_dtype
 BF16_NAN_PAIR = 0x7FC07FC0  # a float32 NaN whose two bfloat16 halves are NaN as well
-
-
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """float32 values of uint16 bfloat16 bit patterns: exact (bits << 16)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _check_adapter_dtype(adapter_dtype: str) -> None:

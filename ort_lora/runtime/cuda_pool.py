@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ort_lora import contract as C
+from ort_lora.bfloat16 import float32_to_bfloat16_bits
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 H2D = 1  # cudaMemcpyHostToDevice
@@ -106,16 +107,6 @@ def upload_copies(manifest: C.ModelManifest, num_pages: int, pages: list[int]) -
                 )
             )
     return copies
-
-
-def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    out[nan] = 0x7FC0
-    return out
 
 
 def _elem_bytes(manifest: C.ModelManifest) -> int:

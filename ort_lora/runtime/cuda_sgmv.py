@@ -11,7 +11,8 @@ import ctypes
 
 import numpy as np
 
-from ort_lora.runtime.cuda_pool import CudaError, CudaRuntime, float32_to_bfloat16_bits
+from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from ort_lora.runtime.cuda_pool import CudaError, CudaRuntime
 
 DTYPES = {"float16": 0, "bfloat16": 1}
 D2H = 2
@@ -54,7 +55,7 @@ def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
     """16-bit storage (see to_storage) -> float32, exactly."""
     if dtype == "float16":
         return a.astype(np.float32)
-    return (a.astype(np.uint32) << 16).view(np.float32)
+    return bfloat16_bits_to_float32(a)
 
 
 def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key: int,
