@@ -1,7 +1,8 @@
 """Builds the CUDA-on-CPU emulator library and calls it (tests/test_cuda_emu.py).
 
 The very same kernel source (custom_ops/cuda/lora_sgmv_kernels.cu) is compiled by g++ as C++
-with ORT_LORA_CUDA_EMU defined, together with the host plan (sgmv_plan.cc), the emulator
+with ORT_LORA_CUDA_EMU defined, together with the host plan (sgmv_plan.cc, and
+lora_sgmv/lora_sgmv_checks.cc: the metadata checks it shares with the CPU op), the emulator
 (custom_ops/cuda/emu/) and its self-test kernels; no nvcc, no CUDA runtime, no GPU. Only the
 CUDA headers are needed (types and host conversion functions). The kernel objects' .bss (their
 `__shared__` statics, and nothing else: checked with nm) is renamed to the section the emulator
@@ -27,6 +28,7 @@ SHARED_SECTION = "ort_lora_emu_shared"
 KERNEL_SOURCES = [CUDA_DIR / "lora_sgmv_kernels.cu", CUDA_DIR / "emu" / "emu_selftest.cc"]
 HOST_SOURCES = [
     CUDA_DIR / "sgmv_plan.cc",
+    ROOT / "custom_ops" / "lora_sgmv" / "lora_sgmv_checks.cc",
     CUDA_DIR / "emu" / "cuda_emu.cc",
     CUDA_DIR / "emu" / "emu_sgmv_c.cc",
 ]

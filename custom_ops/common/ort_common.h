@@ -1,6 +1,7 @@
 // Shared pieces of every ort_lora custom op: the ORT C++ API (initialised by hand in
-// RegisterCustomOps), the error type kernels throw, and the validation helpers that turn a
-// bad input into an error naming the input and the expected value.
+// RegisterCustomOps), the boundary that turns the error kernels throw (InputError,
+// common/errors.h) into an ORT status, the validation helpers that turn a bad input into an
+// error naming the input and the expected value, and the kernels' ParallelFor over ORT's pool.
 #pragma once
 
 #ifndef ORT_API_MANUAL_INIT
@@ -10,24 +11,13 @@
 
 #include <cstdint>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "common/errors.h"
+#include "common/parallel_for.h"
+
 namespace ort_lora {
-
-// Thrown by kernels for bad inputs; converted to an ORT_INVALID_ARGUMENT status at the
-// boundary, so a caller sees "<Op>: <message>" and never a crash.
-struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-template <typename... Args>
-[[noreturn]] void Fail(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw InputError(os.str());
-}
 
 inline std::string ShapeStr(const std::vector<int64_t>& shape) {
   std::ostringstream os;
@@ -37,7 +27,8 @@ inline std::string ShapeStr(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
-// Runs body() and turns any exception into an OrtStatus naming the op.
+// Runs body() and turns any exception into an OrtStatus naming the op: an Ort::Exception keeps
+// its code, anything else (InputError above all) is ORT_INVALID_ARGUMENT.
 template <typename Body>
 OrtStatusPtr GuardCompute(const char* op_name, Body&& body) {
   try {
@@ -102,6 +93,14 @@ inline void ExpectDim(const InputView& v, const char* name, size_t axis, int64_t
   if (v.shape[axis] != expected)
     Fail("input '", name, "' dim ", axis, " must be ", expected, " (", what, "), got shape ",
          ShapeStr(v.shape));
+}
+
+// The op's intra-op thread pool as the kernels' ParallelFor; `ctx` must outlive it.
+inline ParallelFor OrtParallelFor(const Ort::KernelContext& ctx) {
+  auto run = [](const void* pool, void (*fn)(void*, size_t), size_t n, void* data) {
+    static_cast<const Ort::KernelContext*>(pool)->ParallelFor(fn, n, 0, data);
+  };
+  return ParallelFor(run, &ctx);
 }
 
 }  // namespace ort_lora

@@ -81,7 +81,7 @@ ORT_LORA_C int ort_lora_cuda_memcpy_2d_async(void* dst, uint64_t dpitch, const v
 ORT_LORA_C int ort_lora_cuda_sgmv(ORT_LORA_SGMV_C_PARAMS, void* stream) {
   using namespace ort_lora;
   SgmvPlan plan;
-  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_INPUTS, plan);
+  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_METADATA, ORT_LORA_SGMV_C_POOL, plan);
   if (!g_last_message.empty()) return kInvalidInput;
   auto s = static_cast<cudaStream_t>(stream);
   void* scratch = nullptr;

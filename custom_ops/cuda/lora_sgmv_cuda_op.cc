@@ -20,27 +20,6 @@ ONNXTensorElementDataType ToOnnx(SgmvDtype dtype) {
                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 }
 
-SgmvHostInputs HostInputs(const LoraSgmvInputs& in, int64_t layer) {
-  return {in.seg_starts.value.GetTensorData<int32_t>(),
-          in.seg_slots.value.GetTensorData<int32_t>(),
-          in.a_offsets.value.GetTensorData<int64_t>(),
-          in.b_offsets.value.GetTensorData<int64_t>(),
-          in.ranks.value.GetTensorData<int32_t>(),
-          in.scales.value.GetTensorData<float>(),
-          in.seg_slots.shape[0],
-          in.a_offsets.shape[0],
-          in.a_offsets.shape[1],
-          in.ranks.shape[0],
-          layer,
-          in.y.shape[0],
-          in.x.shape[1],
-          in.y.shape[1],
-          in.key_cache.value.GetTensorRawData(),
-          in.value_cache.value.GetTensorRawData(),
-          static_cast<int64_t>(in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount()),
-          2};
-}
-
 // Device scratch from the session's CUDA allocator, returned to it when Compute ends. The
 // allocator handle KernelContext_GetAllocator gives out is a new wrapper object owned by the
 // caller (ORT's C API: release it with ReleaseAllocator), so it is released here too.
@@ -82,12 +61,8 @@ OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
 void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
-  SgmvPlan plan;
-  try {
-    plan = BuildSgmvPlan(HostInputs(in, layer_));
-  } catch (const std::invalid_argument& e) {
-    Fail(e.what());
-  }
+  const SgmvPlan plan =
+      BuildSgmvPlan(ReadSgmvMetadata(in, layer_), ReadSgmvPool(in, 2, /*bf16_rows=*/false));
   auto y_out = ctx.GetOutput(0, in.y.shape);
   const int64_t num_rows = in.y.shape[0];
   auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());

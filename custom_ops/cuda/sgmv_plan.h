@@ -1,8 +1,9 @@
-// Host side of the CUDA LoraSGMV: validates the (host-resident) LoRA metadata and turns it into
-// a compact launch plan (row tiles + pool row pointers), then uploads and launches it
-// (RunLoraSgmv, in sgmv_run.cc: the only part that calls the CUDA runtime).
+// Host side of the CUDA LoraSGMV: validates the (host-resident) LoRA metadata
+// (lora_sgmv/lora_sgmv_checks.h, the checks the CPU op runs too) and turns it into a compact
+// launch plan (row tiles + pool row pointers), then uploads and launches it (RunLoraSgmv, in
+// sgmv_run.cc: the only part that calls the CUDA runtime).
 // No ONNX Runtime types: used by the op (lora_sgmv_cuda_op.cc) and the C test entry
-// (cuda_runtime_c.cc). Bad metadata throws std::invalid_argument naming the input.
+// (cuda_runtime_c.cc). Bad metadata throws InputError (common/errors.h) naming the input.
 #pragma once
 
 #include <cstdint>
@@ -10,25 +11,9 @@
 #include <vector>
 
 #include "cuda/sgmv_launcher.h"
+#include "lora_sgmv/lora_sgmv_checks.h"
 
 namespace ort_lora {
-
-// The host-resident LoRA inputs of one call, as LoraSGMV defines them (lora_sgmv_op.h).
-struct SgmvHostInputs {
-  const int32_t* seg_starts;  // [S + 1]
-  const int32_t* seg_slots;   // [S]
-  const int64_t* a_offsets;   // [num_slots, max_rank]
-  const int64_t* b_offsets;   // [num_slots, max_rank]
-  const int32_t* ranks;       // [num_layers, num_slots]
-  const float* scales;        // [num_layers, num_slots]
-  int64_t num_segments, num_slots, max_rank, num_layers, layer;
-  int64_t num_rows, in_features, out_features;
-  // The layer's pool share: key_cache (elements [0, half)) then value_cache ([half, 2 half)).
-  const void* key_cache;
-  const void* value_cache;
-  int64_t half;
-  int64_t elem_size;  // bytes per element (2)
-};
 
 // A launch plan: tiles (SGMV tiles first, then BGMV tiles) and the pool row pointers.
 struct SgmvPlan {
@@ -44,9 +29,10 @@ struct SgmvPlan {
   size_t ScratchBytes(int64_t num_rows) const;
 };
 
-// Validates the inputs (seg_starts monotonic 0..T, slots, ranks, every used row inside one
-// pool half) and builds the plan. Throws std::invalid_argument naming the bad input.
-SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in);
+// Validates the metadata (the layer, x's rows < 2^31, then CheckSgmvSegments with the rank limit
+// kMaxCudaRank) and builds the plan. `pool` holds device addresses, elem_size 2, rows of the
+// pool's own element type. Throws InputError naming the bad input.
+SgmvPlan BuildSgmvPlan(const SgmvMetadata& meta, const SgmvPool& pool);
 
 // The C entries ort_lora_cuda_sgmv (cuda_runtime_c.cc) and ort_lora_emu_sgmv (emu/) share
 // their arguments (the CUDA one adds a stream after them; one Python helper builds both):
@@ -58,13 +44,16 @@ SgmvPlan BuildSgmvPlan(const SgmvHostInputs& in);
       int64_t num_segments, const int64_t *a_offsets, const int64_t *b_offsets, int64_t num_slots, \
       int64_t max_rank, const int32_t *ranks, const float *scales, int64_t num_layers,             \
       int64_t layer, int64_t num_rows, int64_t in_features, int64_t out_features
-#define ORT_LORA_SGMV_C_INPUTS                                                                  \
-  ort_lora::SgmvHostInputs{seg_starts,   seg_slots,    a_offsets, b_offsets,   ranks, scales,   \
-                           num_segments, num_slots,    max_rank,  num_layers,  layer, num_rows, \
-                           in_features,  out_features, key_cache, value_cache, half,  2}
+// The C entries' arguments as the metadata and the pool share (float16 / bfloat16 elements).
+#define ORT_LORA_SGMV_C_METADATA                                                          \
+  (ort_lora::SgmvMetadata{seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales,     \
+                          num_segments, num_slots, max_rank, num_layers, layer, num_rows, \
+                          in_features, out_features})
+#define ORT_LORA_SGMV_C_POOL (ort_lora::SgmvPool{key_cache, value_cache, half, 2, false})
 
 // The C entries' front half: checks dtype and builds the plan. Returns "" or the message.
-std::string PlanForCEntry(int dtype, const SgmvHostInputs& in, SgmvPlan& plan);
+std::string PlanForCEntry(int dtype, const SgmvMetadata& meta, const SgmvPool& pool,
+                          SgmvPlan& plan);
 
 // The launch arguments for a plan serialized at the start of `scratch` (ScratchBytes bytes):
 // tiles, row pointers, then v. scratch is a device address (or host memory in the emulator).

@@ -333,39 +333,28 @@ Kernels SelectKernels() {
           {WidenBase, ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
 }
 
-struct PassData {
-  SgmvCpuPlan* plan;
-  ItemFn fn;
-};
-
-void RunItem(void* data, size_t i) {
-  PassData* d = static_cast<PassData*>(data);
-  d->fn(*d->plan, i);
-}
-
 constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
 
 // Runs every item of a pass: inline when it is too small to be worth waking the thread pool
 // (on a busy machine a woken thread can be descheduled mid-item and stall the whole call).
-void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost, ParallelForFn parallel_for,
-             void* runner) {
-  PassData data{&plan, fn};
+void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost,
+             const ParallelFor& parallel_for) {
   if (items <= 1 || cost < kSerialCost) {
     for (size_t i = 0; i < items; ++i) fn(plan, i);
   } else {
-    parallel_for(runner, RunItem, items, &data);
+    parallel_for(items, [&plan, fn](size_t i) { fn(plan, i); });
   }
 }
 
 }  // namespace
 
-void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner) {
+void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
   SgmvCpuPlan plan = PlanSgmvCpu(problem);
   const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16 : kernels.f32;
-  RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for, runner);
-  RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for, runner);
-  RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for, runner);
+  RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for);
+  RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for);
+  RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for);
 }
 
 }  // namespace ort_lora

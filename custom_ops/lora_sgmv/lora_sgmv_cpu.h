@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/parallel_for.h"
+
 namespace ort_lora {
 
 // Element type of every adapter row (A and B^T) of one call.
@@ -45,10 +47,7 @@ struct SgmvProblem {
   std::vector<SgmvSegment> segments;  // active segments, disjoint row ranges, any order
 };
 
-// Runs fn(data, i) for every i in [0, total), possibly in parallel; blocks until all are done.
-using ParallelForFn = void (*)(void* runner, void (*fn)(void*, size_t), size_t total, void* data);
-
-// Computes problem.y_out. runner is passed through to parallel_for (e.g. the ORT context).
-void LoraSgmvCpu(const SgmvProblem& problem, ParallelForFn parallel_for, void* runner);
+// Computes problem.y_out; the passes' items run on parallel_for (the op's: ORT's pool).
+void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for);
 
 }  // namespace ort_lora

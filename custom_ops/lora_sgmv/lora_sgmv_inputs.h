@@ -1,9 +1,10 @@
 // The inputs of LoraSGMV, read and checked once for every provider (CPU float32, CUDA
-// float16/bfloat16): rank, element type and the dims the inputs share. The contract is in
-// lora_sgmv_op.h.
+// float16/bfloat16): rank, element type and the dims the inputs share; then seen as the
+// ORT-free metadata and pool that lora_sgmv_checks.h checks. The contract is in lora_sgmv_op.h.
 #pragma once
 
 #include "common/ort_common.h"
+#include "lora_sgmv/lora_sgmv_checks.h"
 
 namespace ort_lora {
 
@@ -55,6 +56,31 @@ inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
   ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
   ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
   return in;
+}
+
+// The LoRA metadata of a call whose shapes ReadLoraSgmvInputs checked, for layer `layer`.
+inline SgmvMetadata ReadSgmvMetadata(const LoraSgmvInputs& in, int64_t layer) {
+  return {in.seg_starts.value.GetTensorData<int32_t>(),
+          in.seg_slots.value.GetTensorData<int32_t>(),
+          in.a_offsets.value.GetTensorData<int64_t>(),
+          in.b_offsets.value.GetTensorData<int64_t>(),
+          in.ranks.value.GetTensorData<int32_t>(),
+          in.scales.value.GetTensorData<float>(),
+          in.seg_slots.shape[0],
+          in.a_offsets.shape[0],
+          in.a_offsets.shape[1],
+          in.ranks.shape[0],
+          layer,
+          in.y.shape[0],
+          in.x.shape[1],
+          in.y.shape[1]};
+}
+
+// The pool share (key_cache, value_cache) of a call; elem_size is the caches' element size.
+inline SgmvPool ReadSgmvPool(const LoraSgmvInputs& in, int64_t elem_size, bool bf16_rows) {
+  return {in.key_cache.value.GetTensorRawData(), in.value_cache.value.GetTensorRawData(),
+          static_cast<int64_t>(in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount()),
+          elem_size, bf16_rows};
 }
 
 template <typename T>

@@ -32,8 +32,9 @@
 //       odd len leaves one padding bfloat16, never read). Accumulation stays float32.
 //     Any other value fails at kernel creation, naming the attribute and the allowed values.
 // Limits: rank <= 512 (kMaxRank). Bad inputs (shapes, non-monotonic seg_starts, slot or rank
-// out of range, a used row outside key_cache / value_cache) fail with an error naming them;
-// offsets of rows j >= rank are never read. The kernel is lora_sgmv_cpu.h.
+// out of range, a used row outside key_cache / value_cache) fail with an error naming them
+// (the checks, shared with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never
+// read. The kernel is lora_sgmv_cpu.h.
 #pragma once
 
 #include "common/ort_common.h"

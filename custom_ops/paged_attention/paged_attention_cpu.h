@@ -5,7 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
+
+#include "common/parallel_for.h"
 
 namespace ort_lora {
 
@@ -35,9 +36,6 @@ struct PagedAttentionArgs {
   const int32_t* slot_mapping;  // [T], null = derived from block_table
   float* output;                // [T, H * D]
 };
-
-// Calls fn(i) for every i in [0, n), possibly on several threads; returns when all are done.
-using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& fn)>;
 
 // Attention of the new tokens over their cached and new keys, then the K/V cache writes.
 void PagedAttentionCpu(const PagedAttentionArgs& args, const ParallelFor& parallel_for);

@@ -1,7 +1,6 @@
 #include "paged_attention/paged_attention_op.h"
 
 #include <cmath>
-#include <functional>
 #include <vector>
 
 #include "paged_attention/paged_attention_cpu.h"
@@ -220,16 +219,7 @@ void PagedAttentionKernel::Compute(OrtKernelContext* context) {
   if (a.rotary_half) CheckRotaryRows(a, in[kCos].shape[0]);
   a.output =
       ctx.GetOutput(0, {a.num_tokens, a.num_heads * a.head_size}).GetTensorMutableData<float>();
-  PagedAttentionCpu(a, [&ctx](size_t n, const std::function<void(size_t)>& fn) {
-    if (n <= 1) {
-      if (n == 1) fn(0);
-      return;
-    }
-    auto trampoline = [](void* data, size_t i) {
-      (*static_cast<const std::function<void(size_t)>*>(data))(i);
-    };
-    ctx.ParallelFor(trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
-  });
+  PagedAttentionCpu(a, OrtParallelFor(ctx));
 }
 
 OrtStatusPtr PagedAttentionOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,

@@ -37,7 +37,7 @@ ORT_LORA_EMU_C const char* ort_lora_emu_error_string(int code) {
 ORT_LORA_EMU_C int ort_lora_emu_sgmv(ORT_LORA_SGMV_C_PARAMS) {
   using namespace ort_lora;
   SgmvPlan plan;
-  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_INPUTS, plan);
+  g_last_message = PlanForCEntry(dtype, ORT_LORA_SGMV_C_METADATA, ORT_LORA_SGMV_C_POOL, plan);
   if (!g_last_message.empty()) return kInvalidInput;
   const size_t y_bytes = static_cast<size_t>(num_rows) * out_features * 2;
   if (y_bytes > 0 && y_out != y) std::memmove(y_out, y, y_bytes);
