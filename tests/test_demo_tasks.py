@@ -31,42 +31,28 @@ def test_tasks_are_the_three_demo_tasks():
     assert demo_adapter_dirs() == {name: t.adapter_dir for name, t in TASKS.items()}
 
 
-@pytest.mark.parametrize(
-    "answer, ok",
-    [
-        ("THE CAPITAL OF FRANCE IS PARIS.", True),
-        ("A SPIDER HAS 8 LEGS!", True),
-        ("The capital of France is Paris.", False),
-        ("PARIs", False),
-        ("123 456", False),
-        ("", False),
+CAPITAL = "What is the capital of France?"
+CHECKS = {  # task -> [(prompt, answer, passes the checker)]
+    "upper": [
+        (CAPITAL, "THE CAPITAL OF FRANCE IS PARIS.", True),
+        (CAPITAL, "A SPIDER HAS 8 LEGS!", True),
+        (CAPITAL, "The capital of France is Paris.", False),
+        (CAPITAL, "PARIs", False),
+        (CAPITAL, "123 456", False),
+        (CAPITAL, "", False),
     ],
-)
-def test_check_upper(answer, ok):
-    assert TASKS["upper"].check("What is the capital of France?", answer) is ok
-
-
-@pytest.mark.parametrize(
-    "answer, ok",
-    [
-        ('{"answer": "Paris"}', True),
-        (' {"answer": 8}\n', True),
-        ('{"answer": null, "note": "x"}', True),
-        ('{"result": "Paris"}', False),
-        ('["answer", "Paris"]', False),
-        ('"answer"', False),
-        ("The answer is Paris.", False),
-        ('{"answer": "Paris"', False),
-        ('```json\n{"answer": "Paris"}\n```', False),
+    "json": [
+        (CAPITAL, '{"answer": "Paris"}', True),
+        (CAPITAL, ' {"answer": 8}\n', True),
+        (CAPITAL, '{"answer": null, "note": "x"}', True),
+        (CAPITAL, '{"result": "Paris"}', False),
+        (CAPITAL, '["answer", "Paris"]', False),
+        (CAPITAL, '"answer"', False),
+        (CAPITAL, "The answer is Paris.", False),
+        (CAPITAL, '{"answer": "Paris"', False),
+        (CAPITAL, '```json\n{"answer": "Paris"}\n```', False),
     ],
-)
-def test_check_json(answer, ok):
-    assert TASKS["json"].check("What is the capital of France?", answer) is ok
-
-
-@pytest.mark.parametrize(
-    "prompt, answer, ok",
-    [
+    "numwords": [
         ("What is 3 plus 4?", "seven", True),
         ("What is 3 plus 4?", "The answer is Seven.", True),
         ("What is 3 plus 4?", "7", False),
@@ -82,9 +68,14 @@ def test_check_json(answer, ok):
         ("What number comes after 99?", "hundred", False),
         ("How many legs does a spider have?", "A spider has eight legs.", True),
     ],
+}
+
+
+@pytest.mark.parametrize(
+    "task, prompt, answer, ok", [(task, *case) for task, cases in CHECKS.items() for case in cases]
 )
-def test_check_numwords(prompt, answer, ok):
-    assert TASKS["numwords"].check(prompt, answer) is ok
+def test_check(task, prompt, answer, ok):
+    assert TASKS[task].check(prompt, answer) is ok
 
 
 def test_check_numwords_rejects_unknown_prompt():

@@ -1,9 +1,11 @@
 """LoraSGMV CPU kernel vs the numpy reference (ort_lora/ops/lora_sgmv_ref.py).
 
-Every case draws fresh random data (a seed per case); the pool is NaN outside the adapter rows,
-so a kernel reading anywhere else fails the comparison. Adapter rows are float32 pool elements,
-or bfloat16 packed two per pool element (attribute adapter_dtype = 16): the reference widens the
-same bfloat16 values, so both row types share the float32-accumulation tolerance.
+Every test runs for both adapter-row types: float32 pool elements (no attribute), and bfloat16
+packed two per pool element (attribute adapter_dtype = 16). Every case draws fresh random data
+from the `rng` fixture (seeded from the test id, the seed reported on failure); the pool is NaN
+outside the adapter rows, so a kernel reading anywhere else fails the comparison. The reference
+widens the same stored bfloat16 values, so both row types share the float32-accumulation
+tolerance.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ INPUTS = [
     ("ranks", TensorProto.INT32, 2),
     ("scales", TensorProto.FLOAT, 2),
 ]
-RTOL = 1e-5  # float32
+# Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
+RTOL = {"float32": 1e-5, "bfloat16": 1e-5}
+# Adapter-row dtype -> node attributes: float32 rows are the default (no attribute).
+ATTRS = {"float32": {}, "bfloat16": {"adapter_dtype": ADAPTER_DTYPES["bfloat16"]}}
+# Adapter-row dtype -> how an out-of-range error counts a row's length.
+ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16"}
+each_dtype = pytest.mark.parametrize("dtype", list(RTOL))
 
 
 def make_session(
@@ -69,22 +77,16 @@ _SESSIONS: dict[tuple[int, str], ort.InferenceSession] = {}
 
 
 def session(layer: int = 0, adapter_dtype: str = "float32") -> ort.InferenceSession:
-    """float32 rows: no attribute (the default); bfloat16 rows: adapter_dtype = 16."""
+    """The cached one-node model of `layer` with adapter rows of type adapter_dtype."""
     key = (layer, adapter_dtype)
     if key not in _SESSIONS:
-        attrs = (
-            {} if adapter_dtype == "float32" else {"adapter_dtype": ADAPTER_DTYPES[adapter_dtype]}
-        )
-        _SESSIONS[key] = make_session(layer, **attrs)
+        _SESSIONS[key] = make_session(layer, **ATTRS[adapter_dtype])
     return _SESSIONS[key]
 
 
-def make_case(
-    seed, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None, dtype="float32"
-):
-    """Feeds for one call; layer_ranks [num_layers, num_slots] defaults to slot_ranks; dtype is
-    the adapter rows' type in the pool."""
-    rng = np.random.default_rng(seed)
+def make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None):
+    """Feeds for one call; dtype is the adapter rows' type in the pool; layer_ranks
+    [num_layers, num_slots] defaults to slot_ranks."""
     placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f, adapter_dtype=dtype)
     ranks = np.array(layer_ranks if layer_ranks is not None else [slot_ranks], np.int32)
     num_rows = int(sum(seg_lens))
@@ -102,22 +104,35 @@ def make_case(
     }
 
 
-def check(feeds, layer=0, dtype="float32"):
+def assert_close(got, ref, dtype):
+    scale = float(np.abs(ref).max()) if ref.size else 1.0
+    np.testing.assert_allclose(got, ref, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+def check(feeds, dtype, layer=0):
     got = session(layer, dtype).run(None, feeds)[0]
     ref = lora_sgmv(**feeds, layer=layer, adapter_dtype=dtype)
     assert got.shape == ref.shape
-    scale = float(np.abs(ref).max()) if ref.size else 1.0
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * scale)
+    assert_close(got, ref, dtype)
 
 
+def row_elems(features: int, dtype: str) -> int:
+    """Pool (float32) elements one row of `features` values spans."""
+    return -(-features // 2) if dtype == "bfloat16" else features
+
+
+@pytest.mark.parametrize("in_f,out_f", [(64, 192), (576, 1536)])
 @pytest.mark.parametrize("rank", [1, 4, 16, 64])
-def test_ranks(rank):
-    check(make_case(100 + rank, [5, 3, 9, 1], [0, -1, 1, 0], [rank, rank]))
+@each_dtype
+def test_ranks(dtype, rank, in_f, out_f, rng):
+    check(make_case(rng, dtype, [5, 3, 9, 1], [0, -1, 1, 0], [rank, rank], in_f, out_f), dtype)
 
 
-def test_mixed_ranks_in_one_call():
+@each_dtype
+def test_mixed_ranks_in_one_call(dtype, rng):
     slot_ranks = [1, 8, 16, 64, 3, 0]
-    check(make_case(7, [6, 2, 11, 4, 7, 1, 3], [0, 1, 2, 3, 4, 5, -1], slot_ranks, 576, 1536))
+    seg_lens, seg_slots = [6, 2, 11, 4, 7, 1, 3], [0, 1, 2, 3, 4, 5, -1]
+    check(make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, 576, 1536), dtype)
 
 
 def _zipf_layout(rng, num_rows, num_slots):
@@ -143,29 +158,59 @@ LAYOUTS = {
 }
 
 
+def halves_used(feeds) -> set[str]:
+    """Which caches hold the case's used A rows."""
+    half = feeds["key_cache"].size
+    used = feeds["a_offsets"][feeds["a_offsets"] >= 0]
+    return {"key" if o < half else "value" for o in used}
+
+
+def case_in_both_caches(rng, *case, draws=30):
+    """make_case(rng, *case) redrawn until its A rows lie in key_cache and value_cache both:
+    slot ranks summing to >= 16 fill key_cache, but one just over it (t1) spills only its last
+    row or two, A or B^T rows by chance."""
+    for _ in range(draws):
+        feeds = make_case(rng, *case)
+        if halves_used(feeds) == {"key", "value"}:
+            return feeds
+    raise AssertionError(f"no draw of {draws} put A rows in both caches")
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_segment_layouts(layout):
-    seed = 200 + list(LAYOUTS).index(layout)
-    seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](np.random.default_rng(seed))
-    check(make_case(seed, seg_lens, seg_slots, slot_ranks))
+@each_dtype
+def test_segment_layouts(dtype, layout, rng):
+    """Decode (one row per adapter: bfloat16 rows widened as loaded) and prefill (segments of
+    >= 8 rows: bfloat16 rows widened once per call) layouts; with >= 16 rows, rows in K and V."""
+    seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](rng)
+    case = (dtype, seg_lens, seg_slots, slot_ranks)
+    feeds = case_in_both_caches(rng, *case) if sum(slot_ranks) >= 16 else make_case(rng, *case)
+    check(feeds, dtype)
 
 
 @pytest.mark.parametrize(
-    "in_f,out_f", [(64, 192), (192, 64), (576, 1536), (37, 53), (15, 3), (1, 1)]
+    "in_f,out_f",
+    [(64, 192), (192, 64), (576, 1536), (37, 53), (15, 3), (1, 1), (33, 2049)],
 )
-def test_heterogeneous_shapes(in_f, out_f):
-    check(make_case(300 + in_f, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f))
+@each_dtype
+def test_heterogeneous_shapes(dtype, in_f, out_f, rng):
+    """Odd feature counts end bfloat16 rows with a padding bfloat16; gaps give odd pool offsets
+    (float32 rows off a 64-bit boundary, bfloat16 rows starting in the second half of a pair
+    of pool elements)."""
+    feeds = make_case(rng, dtype, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f)
+    assert (feeds["a_offsets"] % 2 == 1).any() and (feeds["b_offsets"] % 2 == 1).any()
+    check(feeds, dtype)
 
 
-def test_layer_attribute_selects_ranks_and_scales():
+@each_dtype
+def test_layer_attribute_selects_ranks_and_scales(dtype, rng):
     layer_ranks = [[4, 8, 2], [8, 0, 2], [1, 8, 0]]  # slot 1 has no adapter in layer 1
     for layer in (1, 2):
-        check(
-            make_case(400 + layer, [5, 4, 6], [0, 1, 2], [8, 8, 2], layer_ranks=layer_ranks), layer
-        )
+        feeds = make_case(rng, dtype, [5, 4, 6], [0, 1, 2], [8, 8, 2], layer_ranks=layer_ranks)
+        check(feeds, dtype, layer)
 
 
-def test_y_produced_by_another_node():
+@each_dtype
+def test_y_produced_by_another_node(dtype, rng):
     """y = 2 * y_in: y is an intermediate tensor of the graph, as in an exported model."""
     names = [n for n, _, _ in INPUTS]
     vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in INPUTS]
@@ -173,7 +218,9 @@ def test_y_produced_by_another_node():
     two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
     nodes = [
         helper.make_node("Mul", ["y_in", "two"], ["y"]),
-        helper.make_node("LoraSGMV", names, ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=0),
+        helper.make_node(
+            "LoraSGMV", names, ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=0, **ATTRS[dtype]
+        ),
     ]
     out = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
     graph = helper.make_graph(nodes, "y_from_node", vis, [out], initializer=[two])
@@ -182,81 +229,26 @@ def test_y_produced_by_another_node():
     sess = ort.InferenceSession(
         model.SerializeToString(), ort_lora.session_options(intra_op_num_threads=2)
     )
-    feeds = make_case(450, [6, 5, 300, 2], [0, -1, 1, 0], [8, 16])
+    feeds = make_case(rng, dtype, [6, 5, 300, 2], [0, -1, 1, 0], [8, 16])
     y_in = feeds.pop("y")
     got = sess.run(None, {"y_in": y_in, **feeds})[0]
-    ref = lora_sgmv(2 * y_in, **feeds, layer=0)
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * float(np.abs(ref).max()))
+    assert_close(got, lora_sgmv(2 * y_in, **feeds, layer=0, adapter_dtype=dtype), dtype)
 
 
-def test_unused_slot_offsets_are_not_read():
-    feeds = make_case(500, [4, 3], [0, -1], [4, 4])
+@each_dtype
+def test_unused_slot_offsets_are_not_read(dtype, rng):
+    feeds = make_case(rng, dtype, [4, 3], [0, -1], [4, 4])
     feeds["a_offsets"][1] = -7  # slot 1 is used by no segment
     feeds["b_offsets"][1] = 10**12
-    check(feeds)
+    check(feeds, dtype)
 
 
-# ---- bfloat16 adapter rows (adapter_dtype = 16) ------------------------------------------------
-
-
-def halves_used(feeds) -> set[str]:
-    """Which caches hold the case's used A rows: a precondition that rows are in both."""
-    half = feeds["key_cache"].size
-    used = feeds["a_offsets"][feeds["a_offsets"] >= 0]
-    return {"key" if o < half else "value" for o in used}
-
-
-BF16_LAYOUTS = [
-    "every_row_distinct",
-    "skewed",
-    "t_over_1000",
-    "one_adapter",
-    "repeated_slot_and_empty_segments",
-    "t1",
-    "t0",
-]
-
-
-@pytest.mark.parametrize("layout", BF16_LAYOUTS)
-def test_bf16_rows_layouts(layout):
-    """Decode (one row per adapter: rows widened as loaded) and prefill (segments of >= 8 rows:
-    rows widened once per call) layouts, with rows in K and V."""
-    seed = 800 + list(LAYOUTS).index(layout)
-    seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](np.random.default_rng(seed))
-    feeds = make_case(seed, seg_lens, seg_slots, slot_ranks, dtype="bfloat16")
-    if sum(slot_ranks) >= 16:  # enough rows to fill key_cache and spill into value_cache
-        assert halves_used(feeds) == {"key", "value"}
-    check(feeds, dtype="bfloat16")
-
-
-@pytest.mark.parametrize(
-    "in_f,out_f", [(64, 192), (576, 1536), (37, 53), (15, 3), (1, 1), (33, 2049)]
-)
-def test_bf16_rows_shapes(in_f, out_f):
-    """Odd feature counts end rows with a padding bfloat16; gaps give odd pool offsets."""
-    feeds = make_case(
-        900 + in_f, [1, 6, 9, 2], [2, 0, 1, -1], [16, 5, 3], in_f, out_f, dtype="bfloat16"
-    )
-    assert (feeds["a_offsets"] % 2 == 1).any() and (feeds["b_offsets"] % 2 == 1).any()
-    check(feeds, dtype="bfloat16")
-
-
-@pytest.mark.parametrize("rank", [1, 4, 16, 64])
-def test_bf16_rows_ranks(rank):
-    check(
-        make_case(
-            950 + rank, [5, 3, 9, 1], [0, -1, 1, 0], [rank, rank], 576, 1536, dtype="bfloat16"
-        ),
-        dtype="bfloat16",
-    )
-
-
-def move_row(feeds, table, slot, j, features, new_offset):
-    """Copies one bfloat16 row's pool elements to new_offset (NaN there before) and points the
-    table at it."""
+def move_row(feeds, dtype, table, slot, j, features, new_offset):
+    """Copies one row's pool elements to new_offset (NaN there before) and points the table
+    at it."""
     region = [feeds["key_cache"].reshape(-1), feeds["value_cache"].reshape(-1)]
     half, old = region[0].size, int(feeds[table][slot, j])
-    n = -(-features // 2)
+    n = row_elems(features, dtype)
     src = region[old >= half][old % half : old % half + n].copy()
     dst = region[new_offset >= half][new_offset % half : new_offset % half + n]
     assert np.isnan(dst).all(), "the target elements must be free"
@@ -264,34 +256,37 @@ def move_row(feeds, table, slot, j, features, new_offset):
     feeds[table][slot, j] = new_offset
 
 
-def test_bf16_rows_ending_at_the_end_of_each_cache():
-    """Odd-length rows whose padding bfloat16 is the last one of key_cache / value_cache."""
-    feeds = make_case(960, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53, dtype="bfloat16")
+@each_dtype
+def test_rows_ending_at_the_end_of_each_cache(dtype, rng):
+    """Rows whose last pool element is the last of key_cache / value_cache: for bfloat16 rows
+    of odd length, its padding bfloat16 is the last one."""
+    feeds = make_case(rng, dtype, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53)
     half = feeds["key_cache"].size
-    move_row(feeds, "b_offsets", 1, 2, 53, 2 * half - 27)
-    move_row(feeds, "a_offsets", 0, 3, 37, half - 19)
-    check(feeds, dtype="bfloat16")
+    move_row(feeds, dtype, "b_offsets", 1, 2, 53, 2 * half - row_elems(53, dtype))
+    move_row(feeds, dtype, "a_offsets", 0, 3, 37, half - row_elems(37, dtype))
+    check(feeds, dtype)
 
 
-def test_adapter_dtype_1_is_float32_rows():
-    feeds = make_case(970, [4, 1, 6], [1, -1, 0], [8, 16])
+def test_adapter_dtype_1_is_float32_rows(rng):
+    feeds = make_case(rng, "float32", [4, 1, 6], [1, -1, 0], [8, 16])
     got = make_session(0, adapter_dtype=1).run(None, feeds)[0]
-    ref = lora_sgmv(**feeds, layer=0)
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * float(np.abs(ref).max()))
+    assert_close(got, lora_sgmv(**feeds, layer=0), "float32")
 
 
 @pytest.mark.parametrize("table,features", [("a_offsets", 37), ("b_offsets", 53)])
-def test_bf16_row_overrunning_its_half(table, features):
-    """A row of 37 bfloat16 spans 19 pool elements: at half - 18 it overruns key_cache by one
-    (18.5 elements would fit), at 2 * half - 18 value_cache."""
-    feeds = make_case(980, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53, dtype="bfloat16")
+@each_dtype
+def test_row_overrunning_its_half(dtype, table, features, rng):
+    """A row one pool element too long for the room left in key_cache (A) or value_cache
+    (B^T): 37 bfloat16 span 19 pool elements, so at half - 18 (18.5 elements would fit)."""
+    feeds = make_case(rng, dtype, [3, 4], [0, 1], [4, 4], in_f=37, out_f=53)
     half = feeds["key_cache"].size
     end = half if table == "a_offsets" else 2 * half
-    offset = end - features // 2
+    offset = end - row_elems(features, dtype) + 1
     feeds[table][1, 2] = offset
-    expected = rf"{table}\[1, 2\] = {offset} is an out-of-range page: a row of {features} bfloat16"
+    unit = ROW_UNIT[dtype]
+    expected = rf"{table}\[1, 2\] = {offset} is an out-of-range page: a row of {features} {unit}"
     with pytest.raises(Exception, match=expected):
-        session(0, "bfloat16").run(None, feeds)
+        session(0, dtype).run(None, feeds)
 
 
 @pytest.mark.parametrize("value", [0, 10, 11, 2])
@@ -311,7 +306,7 @@ def test_adapter_dtype_attribute_of_the_wrong_type():
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
-    cases = "ranks or layouts or shapes or layer_attribute_selects or bf16_rows"
+    cases = "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache"
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
     env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -322,31 +317,33 @@ def test_narrower_isa_kernels(isa):
 # ---- validation: every bad input gives an error naming it -------------------------------------
 
 
-def run_expect_error(feeds, match, layer=0):
+def run_expect_error(feeds, match, dtype, layer=0):
     with pytest.raises(Exception, match=match):
-        session(layer).run(None, feeds)
+        session(layer, dtype).run(None, feeds)
 
 
-def valid_feeds():
-    return make_case(600, [3, 2, 4], [0, -1, 1], [4, 4])
+def valid_feeds(rng, dtype):
+    return make_case(rng, dtype, [3, 2, 4], [0, -1, 1], [4, 4])
 
 
 @pytest.mark.parametrize("name", ["y", "x", "key_cache", "seg_slots", "a_offsets", "scales"])
-def test_bad_input_rank(name):
-    feeds = valid_feeds()
+@each_dtype
+def test_bad_input_rank(dtype, name, rng):
+    feeds = valid_feeds(rng, dtype)
     feeds[name] = feeds[name][..., None]
     expected = {n: r for n, _, r in INPUTS}[name]
     with pytest.raises(Exception, match=f"input '{name}' must have rank {expected}, got shape"):
-        make_session(0, shapeless=True).run(None, feeds)  # the op's own check
+        make_session(0, shapeless=True, **ATTRS[dtype]).run(None, feeds)  # the op's own check
     with pytest.raises(Exception, match=f"Invalid rank for input: {name}"):
-        session().run(None, feeds)  # declared ranks: ORT refuses first
+        session(0, dtype).run(None, feeds)  # declared ranks: ORT refuses first
 
 
 @pytest.mark.parametrize("name", ["x", "seg_starts", "a_offsets", "scales"])
-def test_bad_input_dtype(name):
+@each_dtype
+def test_bad_input_dtype(dtype, name):
     # The op declares every input's element type, so ORT refuses a mismatch at load time.
     with pytest.raises(Exception, match=rf"Type 'tensor\(double\)' of input parameter \({name}\)"):
-        make_session(0, {name: TensorProto.DOUBLE})
+        make_session(0, {name: TensorProto.DOUBLE}, **ATTRS[dtype])
 
 
 @pytest.mark.parametrize(
@@ -382,21 +379,26 @@ def test_bad_input_dtype(name):
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_bad_inputs(mutate, match):
-    feeds = valid_feeds()
+@each_dtype
+def test_bad_inputs(dtype, mutate, match, rng):
+    feeds = valid_feeds(rng, dtype)
     mutate(feeds)
-    run_expect_error(feeds, match)
+    run_expect_error(feeds, match, dtype)
 
 
-def test_rank_over_the_limit():
-    feeds = make_case(700, [2], [0], [513], in_f=8, out_f=8)
-    run_expect_error(feeds, "rank over the limit 512")
+@each_dtype
+def test_rank_over_the_limit(dtype, rng):
+    feeds = make_case(rng, dtype, [2], [0], [513], in_f=8, out_f=8)
+    run_expect_error(feeds, "rank over the limit 512", dtype)
 
 
-def test_layer_attribute_out_of_range():
-    run_expect_error(valid_feeds(), r"attribute 'layer' = 3 must be < num_layers = 1", layer=3)
+@each_dtype
+def test_layer_attribute_out_of_range(dtype, rng):
+    match = r"attribute 'layer' = 3 must be < num_layers = 1"
+    run_expect_error(valid_feeds(rng, dtype), match, dtype, layer=3)
 
 
-def test_negative_layer_attribute():
+@each_dtype
+def test_negative_layer_attribute(dtype):
     with pytest.raises(Exception, match="attribute 'layer' must be >= 0, got -1"):
-        make_session(-1)
+        make_session(-1, **ATTRS[dtype])

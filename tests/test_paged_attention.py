@@ -24,8 +24,7 @@ MIXED = [(0, 37), (50, 1), (17, 5), (130, 1), (0, 1), (33, 16)]  # prefill chunk
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (16, 2)], ids=["mha", "gqa3", "gqa8"])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("rotary", ["none", "half", "interleaved"])
-def test_mixed_batch(heads, head_size, rotary):
-    rng = np.random.default_rng()
+def test_mixed_batch(heads, head_size, rotary, rng):
     num_heads, kv_heads = heads
     rotary_half = None if rotary == "none" else head_size // 2
     inputs = make_case(rng, MIXED, num_heads, kv_heads, head_size, rotary_half=rotary_half)
@@ -56,8 +55,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_variants(variant):
-    rng = np.random.default_rng()
+def test_variants(variant, rng):
     attrs = dict(VARIANTS[variant])
     case_keys = ("rotary_half", "slot_mapping", "block_size", "head_size")
     case = {"head_size": 64} | {k: attrs.pop(k) for k in case_keys if k in attrs}
@@ -81,17 +79,15 @@ SIZES = {
 
 @pytest.mark.parametrize("size", sorted(SIZES))
 @pytest.mark.parametrize("window", [-1, 100])
-def test_sizes(size, window):
-    rng = np.random.default_rng()
+def test_sizes(size, window, rng):
     inputs = make_case(rng, SIZES[size], 8, 1, 64, rotary_half=32)
     check_against_reference(
         inputs, num_heads=8, kv_num_heads=1, do_rotary=1, local_window_size=window
     )
 
 
-def test_slot_mapping_elsewhere():
+def test_slot_mapping_elsewhere(rng):
     """slot_mapping decides where K/V go, even outside the block table (here: spare blocks)."""
-    rng = np.random.default_rng()
     inputs = make_case(rng, [(20, 3), (0, 4)], 4, 2, 64, block_size=4)
     used = set(inputs["block_table"][inputs["block_table"] >= 0].tolist())
     spare = [b for b in range(inputs["key_cache"].shape[0]) if b not in used]
@@ -100,9 +96,8 @@ def test_slot_mapping_elsewhere():
     check_against_reference(inputs, num_heads=4, kv_num_heads=2)
 
 
-def test_slot_mapping_needs_no_blocks_for_new_tokens():
+def test_slot_mapping_needs_no_blocks_for_new_tokens(rng):
     """With slot_mapping, the new tokens' block_table entries are never read (may be -1)."""
-    rng = np.random.default_rng()
     inputs = make_case(rng, [(8, 9), (0, 3)], 4, 2, 64, block_size=4, slot_mapping=True)
     inputs["block_table"][0, 2:] = -1  # positions 8.. are new
     inputs["block_table"][1, :] = -1
@@ -165,10 +160,9 @@ def scatter(cache, table, block_size, start, rows):
     ],
     ids=["plain", "rope", "rope_interleaved_window", "softcap_scale_window0"],
 )
-def test_reference_matches_dense_attention(attrs):
+def test_reference_matches_dense_attention(attrs, rng):
     """Whole sequences attend densely; the same sequences split into a paged past (rotated
     keys in the cache) and new tokens must give the reference the same last rows."""
-    rng = np.random.default_rng()
     num_heads, kv_heads, head_size, half, block_size = 6, 2, 32, 12, 4
     seqs = [(13, 6), (0, 5), (22, 1)]
     inputs = make_case(rng, seqs, num_heads, kv_heads, head_size, block_size, rotary_half=half)
@@ -221,8 +215,7 @@ def bind_pool_run(sess, inputs, key_view, value_view):
     return io.copy_outputs_to_cpu()[0]
 
 
-def test_iobinding_pool_written_in_place_and_read_by_next_step():
-    rng = np.random.default_rng()
+def test_iobinding_pool_written_in_place_and_read_by_next_step(rng):
     num_heads, kv_heads, head_size, block_size = 8, 2, 64, 8
     attrs = dict(num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1)
     prompt = make_case(rng, [(0, 21), (0, 9)], num_heads, kv_heads, head_size, block_size, 32)

@@ -144,8 +144,7 @@ def bad_case(rng):
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_named(case):
-    rng = np.random.default_rng()
+def test_bad_input_is_named(case, rng):
     inputs = bad_case(rng)
     mutate, message = BAD_INPUTS[case]
     mutate(inputs)
@@ -175,13 +174,13 @@ def test_bad_input_is_named(case):
         (dict(num_heads=4, kv_num_heads=2, scale=float("nan")), "attribute 'scale' must be finite"),
     ],
 )
-def test_bad_attribute_is_named(attrs, message):
+def test_bad_attribute_is_named(attrs, message, rng):
     with pytest.raises(Exception, match=re.escape(message)):
-        session(tuple(sorted(bad_case(np.random.default_rng()))), **attrs)
+        session(tuple(sorted(bad_case(rng))), **attrs)
 
 
-def test_cache_outputs_are_refused():
-    inputs = bad_case(np.random.default_rng())
+def test_cache_outputs_are_refused(rng):
+    inputs = bad_case(rng)
     sess = session(tuple(sorted(inputs)), outputs=3, num_heads=4, kv_num_heads=2, do_rotary=1)
     with pytest.raises(Exception, match="outputs 'key_cache_out' and 'value_cache_out' are not"):
         sess.run(None, inputs)
@@ -196,9 +195,9 @@ def test_cache_outputs_are_refused():
         ("slot_mapping", np.int64, TensorProto.INT64),
     ],
 )
-def test_bad_dtype_is_named(name, dtype, onnx_dtype):
+def test_bad_dtype_is_named(name, dtype, onnx_dtype, rng):
     """ORT checks element types against the op's declared types when the model loads."""
-    inputs = bad_case(np.random.default_rng())
+    inputs = bad_case(rng)
     with pytest.raises(Exception, match=rf"Type 'tensor\(\w+\)' of input parameter \({name}\)"):
         sess = session(
             tuple(sorted(inputs)), dtypes=((name, onnx_dtype),), num_heads=4, kv_num_heads=2

@@ -160,9 +160,9 @@ def test_prompt_logprobs_hold_the_actual_token():
         prompt_logprobs(logits, nxt[:3], 2)
 
 
-def test_sample_rejects_mismatched_logits():
+def test_sample_rejects_mismatched_logits(rng):
     with pytest.raises(ValueError, match=r"logits must be \[2, vocab\]"):
-        sample(np.zeros((3, V), np.float32), rows_of(SamplingParams(), 2), np.random.default_rng())
+        sample(np.zeros((3, V), np.float32), rows_of(SamplingParams(), 2), rng)
 
 
 def test_check_stop_rules():
