@@ -107,14 +107,17 @@ def step_overhead(model_dir: Path, steps: int = 20) -> dict:
     """Median host-side (bind + fetch) and ORT run time of 1-token decode steps."""
     import numpy as np
 
-    from ort_lora.runtime import ModelSession, SequenceStep
+    from ort_lora.engine.model_runner import ModelRunner
+    from ort_lora.engine.step_plan import base_plan
+    from ort_lora.runtime import ModelSession
 
     session = ModelSession(model_dir, num_pages=4)
+    runner, bs = ModelRunner(session), session.manifest.block_size
     prompt = list(range(10, 26))
-    session.step([SequenceStep(prompt, 0, [0, 1, 2])])
+    runner.run(base_plan((prompt, 0, [0, 1, 2]), block_size=bs))
     overhead, run = [], []
     for past in range(len(prompt), len(prompt) + steps):
-        session.step([SequenceStep([past], past, [0, 1, 2])])
+        runner.run(base_plan(([past], past, [0, 1, 2]), block_size=bs))
         overhead.append(session.timing.overhead_s)
         run.append(session.timing.run_s)
     return {

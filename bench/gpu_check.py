@@ -183,8 +183,8 @@ def pool(args) -> dict:
         p.load(
             aid, pages, lambda staging, a=adapter, n=len(pages): write_to_pool(a, range(n), staging)
         )  # noqa: E501
-    waited = len(p.tracker.events_for([1, 3]))
-    p.wait_for([1, 3])
+    waited = len(p.tracker.inflight)  # none is a prefetch: the next step waits for all
+    p.wait_for_step()
     p.synchronize()
     got = np.empty_like(expected)
     rt.call("memcpy_async", got.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(p.base),
@@ -299,15 +299,20 @@ def _e2e_models(work: Path):
 def _e2e_session(cpu: Path, gpu: Path) -> list[float]:
     """Base-model logits, CPU float32 vs CUDA float16: a prefill, then 4 decode steps (this
     also checks that PagedAttention's KV writes reach the bound device pool)."""
-    from ort_lora.runtime.session import ModelSession, SequenceStep
+    from ort_lora.engine.model_runner import ModelRunner
+    from ort_lora.engine.step_plan import base_plan
+    from ort_lora.runtime.session import ModelSession
 
-    s_cpu, s_gpu = ModelSession(cpu, 8), ModelSession(gpu, 8, device="cuda")
+    r_cpu, r_gpu = (
+        ModelRunner(ModelSession(cpu, 8)),
+        ModelRunner(ModelSession(gpu, 8, device="cuda")),
+    )
     tokens = list(np.random.default_rng(2).integers(3, 250, 21))
     past, errs = 0, []
     new = tokens
     for _ in range(5):
-        step = [SequenceStep(new, past, [0, 1, 2, 3])]
-        a, b = s_cpu.step(step), s_gpu.step(step)
+        plan = base_plan((new, past, [0, 1, 2, 3]), block_size=r_cpu.block_size)
+        a, b = r_cpu.run(plan), r_gpu.run(plan)
         errs.append(round(float(np.abs(a - b).max() / np.abs(a).max()), 5))
         past += len(new)
         new = [int(a[-1].argmax())]

@@ -13,6 +13,8 @@
   np.random.default_rng(seed). A failing test that used them reports the seed in a
   "random seed" section with the command that replays it. Several independent generators:
   `rng.spawn(n)`, or np.random.default_rng([seed, k]).
+- Every `LLMEngine.step()` in a test is followed by `assert_invariants` (engine/invariants.py)
+  on the engine's pool, registry, scheduler and request tracker (autouse).
 """
 
 from __future__ import annotations
@@ -111,3 +113,18 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("random seed", f"seed {seeds[0]}; replay: {replay}"))
     return report
 
+
+@pytest.fixture(autouse=True)
+def engine_invariants(monkeypatch):
+    """Check the engine's bookkeeping after every step of every engine a test drives."""
+    from ort_lora.engine.invariants import assert_invariants
+    from ort_lora.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def checked_step(engine):
+        outputs = step(engine)
+        assert_invariants(engine.pool, engine.registry, engine.scheduler, engine.tracker)
+        return outputs
+
+    monkeypatch.setattr(LLMEngine, "step", checked_step)

@@ -352,6 +352,29 @@ def test_duplicate_and_unknown_names(adapters):
     assert reg.unregister(1) == req and "qv4" not in reg
 
 
+def test_unload_drains_users_then_unregisters(adapters):
+    """unload: the name stops resolving at once; the adapter stays (for its running users)
+    until the last one is gone, and the call that ends the drain returns its id."""
+    root, _ = adapters
+    reg = AdapterRegistry(manifest())
+    req = LoRARequest("qv4", 1, str(root / "qv4"))
+    assert reg.resolve(req) == req and "qv4" in reg  # registered on first use
+    reg.add_user(1)
+    reg.add_user(1)
+    assert reg.unload("qv4") is None and reg.requests() == [] and "qv4" in reg
+    with pytest.raises(AdapterNotFoundError, match="being unloaded"):
+        reg.resolve(req)
+    with pytest.raises(AdapterError, match="being unloaded; retry"):
+        reg.register(req)
+    with pytest.raises(AdapterNotFoundError, match="being unloaded"):
+        reg.unload("qv4")
+    assert reg.num_pages_needed(1) > 0  # still usable by its users
+    assert reg.remove_user(1) is None and reg.user_counts() == {1: 1}
+    assert reg.remove_user(1) == 1 and "qv4" not in reg and reg.user_counts() == {}
+    reg.register(req)  # the name is free again
+    assert reg.unload(1) == 1 and "qv4" not in reg  # no users: at once
+
+
 def test_host_cache_is_bounded_lru(adapters):
     root, _ = adapters
     reg = AdapterRegistry(manifest(), max_cpu_loras=2)

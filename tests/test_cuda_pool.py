@@ -115,17 +115,19 @@ def test_cpu_pool_dtype_is_refused():
         pool_bind_plan(manifest(dtype="float32"), 4, 0)
 
 
-def test_tracker_waits_only_for_the_step_adapters_and_reuses_staging():
+def test_tracker_waits_for_all_but_the_step_prefetches_and_reuses_staging():
+    """A step waits for every copy in flight except the prefetches issued for it (their pages
+    were free when it was scheduled); the next step waits for those too."""
     t = PrefetchTracker()
     assert t.acquire(10) is None
-    s1, s2 = Staging(100, 64), Staging(200, 256)
-    t.begin(Load(1, (0, 1), "e1", s1))
-    t.begin(Load(2, (2,), "e2", s2))
-    assert t.events_for([2]) == ["e2"]
-    assert t.events_for([1, 2, 7]) == ["e1", "e2"]
-    assert t.events_for(None) == ["e1", "e2"]
-    assert t.events_for([7]) == []
-    assert t.acquire(1) is None  # both buffers are still being copied from
+    s1, s2, s3 = Staging(100, 64), Staging(200, 256), Staging(300, 8)
+    t.begin(Load(1, (0, 1), "e1", s1))  # used by step 0
+    t.begin(Load(2, (2,), "e2", s2, prefetch=True))  # for a waiting request
+    assert t.events_for_step() == ["e1"] and t.step == 1
+    t.begin(Load(3, (5,), "e3", s3, prefetch=True))
+    assert t.events_for_step() == ["e1", "e2"]  # e2 is an earlier step's prefetch now
+    assert t.events_for_step() == ["e1", "e2", "e3"]
+    assert t.acquire(1) is None  # every buffer is still being copied from
     done = t.retire(lambda e: e == "e2")
     assert [ld.adapter_id for ld in done] == [2]
     assert t.is_loading(1) and not t.is_loading(2)
@@ -190,8 +192,8 @@ class HostMemoryRuntime:
 def test_cuda_pool_uploads_adapters_and_orders_streams(dtype):
     """CudaPool over host memory: an adapter load lands exactly the rows write_to_pool puts in
     a CPU pool (bfloat16 as torch rounds it), on the copy stream, behind the pool's zeroing;
-    a step waits on the compute stream for the events of its adapters only; staging memory is
-    reused only after its copy's event fired."""
+    a step waits on the compute stream for every upload but its own prefetches; staging
+    memory is reused only after its copy's event fired."""
     rng = np.random.default_rng(11)
     m, num_pages = manifest(dtype=dtype, block=4), 24
     rt = HostMemoryRuntime()
@@ -204,7 +206,7 @@ def test_cuda_pool_uploads_adapters_and_orders_streams(dtype):
     assert len(placed[7]) == need[7] and len(placed[9]) == need[9]
     for aid, pages in placed.items():
         pool.load(aid, pages, lambda staging, a=adapters[aid]: write_to_pool(
-            a, list(range(staging.shape[2])), staging))  # fmt: skip
+            a, list(range(staging.shape[2])), staging), prefetch=aid == 7)  # fmt: skip
     assert {c[1] for c in rt.calls if c[0] == "copy_2d"} == {pool.copy_stream}
     shape = (m.num_layers, 2, num_pages, m.block_size, m.num_kv_heads, m.head_dim)
     expected, rows = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
@@ -224,7 +226,7 @@ def test_cuda_pool_uploads_adapters_and_orders_streams(dtype):
 
     events = {ld.adapter_id: ld.event for ld in pool.tracker.inflight}
     rt.calls.clear()
-    pool.wait_for([9])
+    pool.wait_for_step()  # 7 is a prefetch issued for this step: not waited for
     assert rt.calls == [("stream_wait_event", pool.compute_stream, events[9])]
     staging_7 = next(ld.staging for ld in pool.tracker.inflight if ld.adapter_id == 7)
     pool.load(7, [2, 3, 6, 7], lambda s: None)  # adapter 7's copy is still in flight

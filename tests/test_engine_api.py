@@ -39,26 +39,29 @@ def llm(tiny_llama_export):
     return LLM(tiny_llama_export, num_pages=64, max_model_len=64)
 
 
-def test_prompt_plus_max_tokens_over_context(llm):
-    with pytest.raises(
-        RequestError, match=r"prompt \(7 tokens\) \+ max_tokens \(60\) = 67 exceeds"
-    ):
-        llm.generate(PROMPT, SamplingParams(max_tokens=60))
+@pytest.mark.parametrize(
+    "prompt, params, param, message",
+    [
+        (PROMPT, SamplingParams(max_tokens=60), "max_tokens", r"you requested 67 tokens \(7 in"),
+        ([5] * 70, GREEDY, "max_tokens", "length is 64 tokens.*70 in the prompt"),
+        ([5, 256], GREEDY, "prompt", r"ids \[256\] are outside the vocabulary \[0, 256\)"),
+        ([], GREEDY, "prompt", "the prompt is empty"),
+    ],
+)
+def test_requests_that_can_never_be_served(llm, prompt, params, param, message):
+    """Checked once, at the engine's entry: RequestError naming the field (HTTP 400)."""
+    prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+    with pytest.raises(RequestError, match=message) as info:
+        llm.generate(prompt, params)
+    assert info.value.param == param
+    assert not llm.engine.has_unfinished_requests()
 
 
-def test_prompt_longer_than_context(llm):
-    with pytest.raises(RequestError, match="the prompt has 70 tokens"):
-        llm.generate({"prompt_token_ids": [5] * 70}, GREEDY)
-
-
-def test_token_outside_vocabulary(llm):
-    with pytest.raises(RequestError, match=r"outside the vocabulary \[0, 256\)"):
-        llm.generate({"prompt_token_ids": [5, 256]}, GREEDY)
-
-
-def test_empty_prompt(llm):
-    with pytest.raises(RequestError, match="the prompt is empty"):
-        llm.generate({"prompt_token_ids": []}, GREEDY)
+def test_request_larger_than_the_pool(tiny_llama_export):
+    llm = LLM(tiny_llama_export, num_pages=4, max_model_len=64)  # 4 pages of 8 tokens
+    with pytest.raises(RequestError, match="need 5 KV pages \\+ 0 adapter pages, more than"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=30))
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=25))[0].finished
 
 
 def test_max_tokens_none_fills_the_context(llm):
@@ -138,7 +141,7 @@ def test_async_stream_and_abort(tiny_llama_export):
                     break
                 await asyncio.sleep(0.01)
             assert engine.stats()["pool"]["kv"] == 0 and engine.stats()["running"] == 0
-            with pytest.raises(RequestError, match="exceeds"):
+            with pytest.raises(RequestError, match="maximum context length"):
                 async for _ in engine.generate([5] * 10, SamplingParams(max_tokens=10**6)):
                     pass
         finally:

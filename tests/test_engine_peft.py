@@ -130,6 +130,20 @@ def _lora(name, adapter_dirs):
     return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapter_dirs[name]))
 
 
+@pytest.fixture(scope="module")
+def exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory):
+    """The tiny export by the type of its adapter rows: float32, or bfloat16 packed two per
+    element of the float32 pool (export --adapter-dtype bfloat16: half the bytes per step)."""
+    from ort_lora.export import export_model
+
+    out = tmp_path_factory.mktemp("tiny_bf16") / "model"
+    bf16 = export_model(
+        tiny_llama_checkpoint, out, block_size=8, adapter_dtype="bfloat16", progress=False
+    )
+    return {"float32": tiny_llama_export, "bfloat16": bf16}
+
+
+@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "limits",
     [
@@ -139,15 +153,22 @@ def _lora(name, adapter_dirs):
         dict(max_loras=1, max_num_seqs=2, prefetch_adapters=True),
     ],
 )
-def test_mixed_batch_matches_peft(tiny_llama_export, hf_model, adapter_dirs, requests, limits):
-    llm = LLM(tiny_llama_export, num_pages=256, **limits)
+def test_mixed_batch_matches_peft(exports, hf_model, adapter_dirs, requests, limits, adapter_dtype):
+    """bfloat16 rows are checked against PEFT whose LoRA weights are rounded to bfloat16 the
+    same way (float32 arithmetic on both sides), to the same tolerance."""
+    from test_adapters import bfloat16_lora
+
+    llm = LLM(exports[adapter_dtype], num_pages=256, **limits)
+    assert llm.engine.manifest.adapter_row_pack == (2 if adapter_dtype == "bfloat16" else 1)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in requests],
         params,
         lora_request=[_lora(n, adapter_dirs) for _, n in requests],
     )
-    models = {n: _peft_model(hf_model, adapter_dirs[n] if n else None) for n in [None, *ADAPTERS]}
+    rounded = bfloat16_lora if adapter_dtype == "bfloat16" else lambda model: model
+    models = {None: hf_model}
+    models |= {n: rounded(_peft_model(hf_model, adapter_dirs[n])) for n in ADAPTERS}
     for (prompt, name), out in zip(requests, outs):
         logp, greedy = _oracle(models[name], prompt)
         assert out.prompt_logprobs[0] is None
@@ -206,37 +227,52 @@ def test_isolation_alone_equals_mixed(tiny_llama_export, adapter_dirs, num_pages
     assert stats.kv_pages == 0 and stats.adapter_pages_pinned == 0
 
 
-def test_steps_wait_for_their_adapters_and_for_evicted_ones(tiny_llama_export, adapter_dirs):
-    """What a GPU step waits for (session.run's adapter_ids): the adapters it uses, plus every
-    adapter evicted while it was scheduled (a copy may still be in flight into those pages).
-    A tight pool with prefetch makes evictions happen; outputs still equal running alone."""
+def test_no_step_touches_a_page_a_copy_lands_in(tiny_llama_export, adapter_dirs):
+    """Adapter copies timed as on a GPU (the CUDA session's PrefetchTracker, fake events): a
+    step waits for every copy but the prefetches issued with it, the rest stay in flight. No
+    step writes KV into, or reads an adapter from, a page whose copy has not landed. A tight
+    pool with prefetch makes evictions hand adapter pages to KV; outputs equal running alone."""
+    from ort_lora import contract as C
+    from ort_lora.runtime.cuda_pool import Load, PrefetchTracker
+
     rng = np.random.default_rng(5)
     names = [*ADAPTERS, None]
     reqs = [(rng.integers(3, 256, 20).tolist(), names[i % 4]) for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(tiny_llama_export, num_pages=24, max_loras=1, max_num_seqs=3,
               max_num_batched_tokens=64, prefetch_adapters=True)  # fmt: skip
-    engine, steps = llm.engine, []
-    schedule, run = engine.scheduler.schedule, engine.session.run
+    engine, session = llm.engine, llm.engine.runner.session
+    copies, plans, reused, loaded = PrefetchTracker(), [], [], set()
+    schedule, load, run = engine.scheduler.schedule, session.load_adapter, session.run
 
     def recording_schedule():
-        steps.append([schedule(), None])
-        return steps[-1][0]
+        plans.append(schedule())
+        return plans[-1]
 
-    def recording_run(inputs, adapter_ids=None):
-        steps[-1][1] = list(adapter_ids)
-        return run(inputs, adapter_ids)
+    def timed_load(adapter_id, pages, write, prefetch=False):
+        copies.begin(Load(adapter_id, tuple(pages), object(), None, prefetch))
+        return load(adapter_id, pages, write, prefetch)
 
-    engine.scheduler.schedule, engine.session.run = recording_schedule, recording_run
+    def timed_run(inputs):
+        waited = set(copies.events_for_step())
+        copies.retire(lambda event: event in waited)
+        landing = {p for ld in copies.inflight for p in ld.pages}
+        kv = set((inputs[C.SLOT_MAPPING] // engine.manifest.block_size).tolist())
+        read = {p for a in plans[-1].adapters for p in a.pages}
+        assert not (kv | read) & landing, "a step touches a page a copy still lands in"
+        reused.append(bool(kv & loaded))  # an evicted adapter's page holds KV now
+        loaded.update(p for a in plans[-1].loads + plans[-1].prefetch for p in a.pages)
+        return run(inputs)
+
+    engine.scheduler.schedule, session.load_adapter, session.run = (
+        recording_schedule, timed_load, timed_run,
+    )  # fmt: skip
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in reqs],
         params,
         lora_request=[_lora(n, adapter_dirs) for _, n in reqs],
     )
-    ran = [(plan, waited) for plan, waited in steps if not plan.is_empty]
-    assert any(plan.evicted for plan, _ in ran) and any(plan.prefetch for plan, _ in ran)
-    for plan, waited in ran:
-        assert set(waited) == {a.adapter_id for a in plan.adapters} | set(plan.evicted)
+    assert any(p.prefetch for p in plans) and any(reused)
     _assert_same_as_alone(tiny_llama_export, adapter_dirs, reqs, outs, params)
 
 
@@ -311,38 +347,3 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(
     with pytest.raises(AdapterError, match="adapter 'qv4' could not be loaded"):
         llm.generate(prompts, params, lora_request=loras)  # the offline API: all or nothing
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == want[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_export_bf16(tiny_llama_checkpoint, tmp_path_factory):
-    """The tiny export with bfloat16 adapter rows in its float32 pool."""
-    from ort_lora.export import export_model
-
-    out = tmp_path_factory.mktemp("tiny_bf16") / "model"
-    return export_model(
-        tiny_llama_checkpoint, out, block_size=8, adapter_dtype="bfloat16", progress=False
-    )
-
-
-def test_bfloat16_adapter_rows_match_peft(tiny_llama_export_bf16, hf_model, adapter_dirs, requests):
-    """bfloat16 rows in the pool (half the bytes per step): the same mixed batch as
-    test_mixed_batch_matches_peft equals PEFT whose LoRA weights are rounded to bfloat16 the
-    same way (float32 arithmetic on both sides), to the float32 tolerance."""
-    from test_adapters import bfloat16_lora
-
-    llm = LLM(tiny_llama_export_bf16, num_pages=256, max_loras=4)
-    assert llm.engine.manifest.adapter_row_pack == 2
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p, _ in requests],
-        params,
-        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
-    )
-    models = {None: hf_model}
-    models |= {n: bfloat16_lora(_peft_model(hf_model, adapter_dirs[n])) for n in ADAPTERS}
-    for (prompt, name), out in zip(requests, outs):
-        logp, greedy = _oracle(models[name], prompt)
-        got = [entry[prompt[pos + 1]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:])]
-        want = [logp[pos, prompt[pos + 1]] for pos in range(len(prompt) - 1)]
-        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"adapter {name}")
-        assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"

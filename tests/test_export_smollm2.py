@@ -8,21 +8,23 @@ import json
 import numpy as np
 import pytest
 
+from ort_lora.engine.model_runner import ModelRunner
+from ort_lora.engine.step_plan import base_plan
 from ort_lora.export.verify import reference_step
-from ort_lora.runtime import ModelSession, SequenceStep
+from ort_lora.runtime import ModelSession
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 NEW_TOKENS = 16
 
 
 def _greedy_ours(export_dir, prompt_ids: list[int]) -> list[int]:
-    session = ModelSession(export_dir, num_pages=8)
-    bs = session.manifest.block_size
+    runner = ModelRunner(ModelSession(export_dir, num_pages=8))
+    bs = runner.block_size
     pages = [5, 2, 7, 0][: -(-(len(prompt_ids) + NEW_TOKENS) // bs)]  # scattered pages
-    logits = session.step([SequenceStep(prompt_ids, 0, pages)])[0]
+    logits = runner.run(base_plan((prompt_ids, 0, pages), block_size=bs))[0]
     tokens = [int(logits.argmax())]
     for past in range(len(prompt_ids), len(prompt_ids) + NEW_TOKENS - 1):
-        logits = session.step([SequenceStep([tokens[-1]], past, pages)])[0]
+        logits = runner.run(base_plan(([tokens[-1]], past, pages), block_size=bs))[0]
         tokens.append(int(logits.argmax()))
     return tokens
 

@@ -8,7 +8,6 @@ import pytest
 from ort_lora.engine.sampler import (
     SampleRow,
     apply_penalties,
-    check_stop,
     make_generator,
     prompt_logprobs,
     sample,
@@ -163,18 +162,3 @@ def test_prompt_logprobs_hold_the_actual_token():
 def test_sample_rejects_mismatched_logits(rng):
     with pytest.raises(ValueError, match=r"logits must be \[2, vocab\]"):
         sample(np.zeros((3, V), np.float32), rows_of(SamplingParams(), 2), rng)
-
-
-def test_check_stop_rules():
-    p = SamplingParams(max_tokens=4, stop=["END", "xy"], stop_token_ids=[9])
-    assert check_stop([5, 2], "ab", 1, p, eos_token_ids=[2]).finish_reason == "stop"
-    ignore = SamplingParams(ignore_eos=True, max_tokens=10)
-    assert check_stop([5, 2], "ab", 1, ignore, eos_token_ids=[2]) is None
-    d = check_stop([5, 9], "ab", 1, p, eos_token_ids=[2])
-    assert (d.finish_reason, d.stop_reason) == ("stop", 9)
-    d = check_stop([5, 6, 7], "hello ENDmore", 6, p, eos_token_ids=[2])  # spans the old text
-    assert (d.finish_reason, d.stop_reason, d.text_len) == ("stop", "END", 6)
-    assert check_stop([5, 6, 7], "xy hello", 3, p, eos_token_ids=[2]) is None  # old match
-    d = check_stop([5, 6, 7, 8], "abcd", 1, p, eos_token_ids=[2])
-    assert (d.finish_reason, d.stop_reason) == ("length", None)
-    assert check_stop([5], "a", 1, ignore, [2], max_model_len=8, num_prompt_tokens=7) is not None

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
 from ort_lora.engine.errors import QueueFullError
+from ort_lora.engine.request import RequestLimits, check_request
 from ort_lora.outputs import CompletionOutput, Logprob, RequestOutput
 from ort_lora.tokenizer import Tokenizer
 
@@ -103,8 +105,8 @@ class FakeEngine:
 
     async def generate(self, prompt, params, lora_request=None, request_id=None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt + max_tokens exceed max_model_len {self.max_model_len}")
+        limits = RequestLimits(self.tokenizer.vocab_size, self.max_model_len, 16, 1 << 20)
+        params = replace(params, max_tokens=check_request(ids, params, 0, limits))
         if lora_request is not None and lora_request.lora_name not in self.loras:
             raise AdapterNotFoundError(f"adapter not found: {lora_request.lora_name}")
         if len(self.running) >= self.max_running:

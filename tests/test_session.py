@@ -1,6 +1,6 @@
-"""The step session: pool bound once and written in place, step metadata, and LoRA wiring of
-the exported graph (adapter rows placed in pool pages) against a merged-weights transformers
-model."""
+"""The step session: pool bound once and written in place, and LoRA wiring of the exported
+graph (adapter rows placed in pool pages) against a merged-weights transformers model. Plans
+are made by hand (step_plan.base_plan) and run through the engine's ModelRunner."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from ort_lora import contract as C
+from ort_lora.engine.model_runner import ModelRunner
+from ort_lora.engine.step_plan import base_plan, build_metadata
 from ort_lora.export.verify import reference_step
-from ort_lora.runtime import ModelSession, SequenceStep, build_step_inputs
+from ort_lora.runtime import ModelSession
 
 NUM_PAGES = 24
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -28,32 +30,7 @@ def reference(tiny_llama_checkpoint):
     return AutoModelForCausalLM.from_pretrained(str(tiny_llama_checkpoint), dtype=torch.float32)
 
 
-def test_step_inputs_metadata(session):
-    bs = session.manifest.block_size
-    seqs = [
-        SequenceStep([5, 6, 7], 0, [4]),
-        SequenceStep([9], 10, [2, 7]),
-        SequenceStep(list(range(11)), 3, [1, 0], logits_rows=[0, 10]),
-    ]
-    got = build_step_inputs(session.manifest, seqs)
-    slots, positions = [], []
-    for s in seqs:  # token by token: position, then page and row of that position
-        for i in range(len(s.token_ids)):
-            pos = s.past_len + i
-            positions.append(pos)
-            slots.append(s.block_table[pos // bs] * bs + pos % bs)
-    assert got[C.SLOT_MAPPING].tolist() == slots
-    assert got[C.POSITION_IDS].tolist() == positions
-    assert got[C.CU_SEQLENS].tolist() == [0, 3, 4, 15]
-    assert got[C.LOGITS_INDICES].tolist() == [2, 3, 4, 14]
-    assert got[C.BLOCK_TABLE].shape == (3, 2) and got[C.BLOCK_TABLE][1].tolist() == [2, 7]
-    assert got[C.LORA_SEG_SLOTS].tolist() == [-1]
-    assert got[C.ATTENTION_METADATA].tolist() == [11, 14, 14]  # 11 new tokens; 3 + 11 cached
-    with pytest.raises(ValueError, match="needs 2 blocks"):
-        build_step_inputs(session.manifest, [SequenceStep([1] * (bs + 1), 0, [0])])
-
-
-def test_pool_is_bound_once_and_written_in_place(session, tiny_llama_checkpoint):
+def test_pool_is_bound_once_and_written_in_place(session, tiny_llama_checkpoint, rng):
     """After a prefill, layer 0's value cache holds V = rmsnorm(embed) @ Wv^T at the slots of
     the tokens (V has no rotary), in the same numpy buffer; other pages stay untouched."""
     from safetensors.numpy import load_file
@@ -61,13 +38,14 @@ def test_pool_is_bound_once_and_written_in_place(session, tiny_llama_checkpoint)
     w = load_file(str(tiny_llama_checkpoint / "model.safetensors"))
     pool_ptr = session.pool.__array_interface__["data"][0]
     session.pool[...] = 0
-    ids = np.random.default_rng().integers(0, 256, size=11).tolist()
-    session.step([SequenceStep(ids, 0, [13, 6])])
+    ids = rng.integers(0, 256, size=11).tolist()
+    bs = session.manifest.block_size
+    ModelRunner(session).run(base_plan((ids, 0, [13, 6]), block_size=bs))
     x = w["model.embed_tokens.weight"][ids]  # [T, hidden]
     gamma = w["model.layers.0.input_layernorm.weight"]  # [hidden]
     x = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * gamma
     v = x @ w["model.layers.0.self_attn.v_proj.weight"].T  # [T, kv_heads * head_dim]
-    m, bs = session.manifest, session.manifest.block_size
+    m = session.manifest
     written = session.pool[0, 1][[13] * bs + [6] * 3, list(range(bs)) + [0, 1, 2]]
     np.testing.assert_allclose(written.reshape(11, -1), v, atol=1e-5)
     assert session.pool.__array_interface__["data"][0] == pool_ptr
@@ -113,23 +91,17 @@ def _place_adapter(session, rank: int, first_page: int, rng):
     return weights, inputs
 
 
-def test_lora_segments_match_merged_weights(session, reference, tiny_llama_checkpoint):
+def test_lora_segments_match_merged_weights(session, reference, tiny_llama_checkpoint, rng):
     """Packed batch: sequence 0 with an adapter in slot 0, sequence 1 base only. Each equals
     transformers with W + scale * B @ A merged (resp. the base model)."""
     from transformers import AutoModelForCausalLM
 
-    rng = np.random.default_rng()
     session.pool[...] = 0
     weights, lora = _place_adapter(session, rank=4, first_page=12, rng=rng)
     p0, p1 = rng.integers(0, 256, 9).tolist(), rng.integers(0, 256, 6).tolist()
-    inputs = build_step_inputs(
-        session.manifest,
-        [
-            SequenceStep(p0, 0, [0, 1], logits_rows=list(range(9))),
-            SequenceStep(p1, 0, [2], logits_rows=list(range(6))),
-        ],
-    )
-    inputs.update(lora)
+    bs = session.manifest.block_size
+    plan = base_plan((p0, 0, [0, 1], range(9)), (p1, 0, [2], range(6)), block_size=bs)
+    inputs = build_metadata(plan, bs) | lora
     inputs[C.LORA_SEG_STARTS] = np.asarray([0, 9, 15], np.int32)
     inputs[C.LORA_SEG_SLOTS] = np.asarray([0, -1], np.int32)
     ours = session.run(inputs)  # [15, vocab]

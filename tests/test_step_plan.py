@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 
 from ort_lora import contract as C
-from ort_lora.engine import MetadataBuffers, ScheduledSeq, StepAdapter, build_metadata, make_plan
+from ort_lora.engine import (
+    MetadataBuffers,
+    ScheduledSeq,
+    StepAdapter,
+    base_plan,
+    build_metadata,
+    make_plan,
+)
 
 
 def test_metadata_arrays_by_hand():
@@ -17,7 +24,7 @@ def test_metadata_arrays_by_hand():
     ]
     adapters = [StepAdapter(1, "B", (8,), False), StepAdapter(0, "A", (9, 10), True)]
     plan = make_plan(entries, adapters, ())
-    assert [e.request_id for e in plan.entries] == ["x", "y", "z", "w"]
+    assert [e.completion_id for e in plan.entries] == ["x", "y", "z", "w"]
     assert [e.logits_offset for e in plan.entries] == [0, 1, 2, 2]
     assert [e.sample_row for e in plan.entries] == [0, 1, None, 4]
     assert [a.adapter_id for a in plan.adapters] == ["A", "B"] and plan.loads[0].pages == (9, 10)
@@ -59,3 +66,26 @@ def test_metadata_buffers_are_reused():
     assert np.shares_memory(first, second) and second.tolist() == [6 * 4 + 0]
     with pytest.raises(ValueError, match="schedules no sequence"):
         build_metadata(make_plan([], []), 4)
+
+
+def test_base_plan_by_position():
+    """A hand-made plan (export --verify, tests): token i of a sequence at start + i, in page
+    table[pos // bs] row pos % bs; the last token's row unless logit rows are given."""
+    bs = 8
+    seqs = [([5, 6, 7], 0, [4]), ([9], 10, [2, 7]), (list(range(11)), 3, [1, 0], [0, 10])]
+    m = build_metadata(base_plan(*seqs, block_size=bs), bs)
+    slots, positions = [], []
+    for ids, start, table, *_ in seqs:
+        positions += [start + i for i in range(len(ids))]
+        slots += [table[p // bs] * bs + p % bs for p in positions[-len(ids) :]]
+    assert m[C.SLOT_MAPPING].tolist() == slots
+    assert m[C.POSITION_IDS].tolist() == positions
+    assert m[C.CU_SEQLENS].tolist() == [0, 3, 4, 15]
+    assert m[C.LOGITS_INDICES].tolist() == [2, 3, 4, 14]
+    assert m[C.BLOCK_TABLE].shape == (3, 2) and m[C.BLOCK_TABLE][1].tolist() == [2, 7]
+    assert m[C.LORA_SEG_SLOTS].tolist() == [-1]
+    assert m[C.ATTENTION_METADATA].tolist() == [11, 14, 14]  # 11 new tokens; 3 + 11 cached
+    with pytest.raises(ValueError, match="need 2 blocks of 8, its block table has 1"):
+        base_plan(([1] * (bs + 1), 0, [0]), block_size=bs)
+    with pytest.raises(ValueError, match="needs new tokens"):
+        base_plan(([], 0, [0]), block_size=bs)

@@ -1,8 +1,14 @@
-"""AdapterRegistry: registered adapters, a bounded host cache, and the per-step LoRA inputs.
+"""AdapterRegistry: registered adapters, their users and unloading, a bounded host cache, and
+the per-step LoRA inputs.
 
 Pure bookkeeping over numpy: no onnxruntime, no torch. Which adapter sits in which pool pages
 is the pool / scheduler's business; the registry turns (slot, adapter, pages) into the
 lora_{m}_* graph inputs and copies an adapter's rows into pages on request.
+
+Unloading drains: `unload(name)` stops new users at once (`resolve` refuses the name, it is no
+longer listed), but the adapter stays registered until its last user (an unfinished sequence,
+counted with add_user / remove_user) is gone; the call that ends the drain returns the id, and
+the caller frees the adapter's pool pages.
 """
 
 from __future__ import annotations
@@ -50,12 +56,16 @@ class AdapterRegistry:
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
         self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
+        self._users: dict[int, int] = {}  # int id -> unfinished sequences using it
+        self._unloading: set[int] = set()  # int ids drained before they are unregistered
         self.stats = {"loads": 0, "host_hits": 0, "host_misses": 0, "host_evictions": 0}
 
     # --- registration -------------------------------------------------------------------------
 
     def register(self, request: LoRARequest) -> HostAdapter:
         """Validate, convert and cache the adapter; idempotent for an identical request."""
+        if self._is_unloading(request.lora_name) or self._is_unloading(request.lora_int_id):
+            raise AdapterError(f"adapter {request.lora_name!r} is being unloaded; retry")
         old = self._requests.get(request.lora_int_id)
         if old == request:
             return self.get(request.lora_int_id)
@@ -76,10 +86,57 @@ class AdapterRegistry:
         self._cache(request.lora_int_id, adapter)
         return adapter
 
+    def resolve(self, request: LoRARequest) -> LoRARequest:
+        """The registered request of this name (registering it on first use); an adapter
+        being unloaded is not found."""
+        if self._is_unloading(request.lora_name) or self._is_unloading(request.lora_int_id):
+            raise AdapterNotFoundError(f"adapter not found: {request.lora_name!r} (being unloaded)")
+        if request.lora_name in self._ids:
+            return self.request(request.lora_name)
+        self.register(request)
+        return request
+
+    def add_user(self, aid: int) -> None:
+        """One more unfinished sequence uses the adapter (resolve it first)."""
+        self._users[aid] = self._users.get(aid, 0) + 1
+
+    def remove_user(self, aid: int) -> int | None:
+        """A sequence using the adapter finished; returns aid if that ended its unloading
+        (it is unregistered now: free its pool pages)."""
+        self._users[aid] -= 1
+        if self._users[aid] == 0:
+            del self._users[aid]
+        return self._finish_unload(aid)
+
+    def user_counts(self) -> dict[int, int]:
+        """int id -> unfinished sequences using it (adapters with users only)."""
+        return dict(self._users)
+
+    def unload(self, name_or_id: str | int) -> int | None:
+        """Stop new users of the adapter and unregister it once the last user is gone.
+        Returns its id if that is now (free its pool pages), else None (draining)."""
+        if self._is_unloading(name_or_id):
+            raise AdapterNotFoundError(f"adapter not found: {name_or_id!r} (being unloaded)")
+        aid = self.request(name_or_id).lora_int_id
+        self._unloading.add(aid)
+        return self._finish_unload(aid)
+
+    def _finish_unload(self, aid: int) -> int | None:
+        if aid not in self._unloading or self._users.get(aid):
+            return None
+        self._unloading.discard(aid)
+        self.unregister(aid)
+        return aid
+
+    def _is_unloading(self, name_or_id: str | int) -> bool:
+        aid = self._ids.get(name_or_id) if isinstance(name_or_id, str) else name_or_id
+        return aid in self._unloading
+
     def unregister(self, name_or_id: str | int) -> LoRARequest:
-        """Forget the adapter (host copy and cached step inputs included)."""
+        """Forget the adapter now (host copy and cached step inputs included)."""
         request = self.request(name_or_id)
         aid = request.lora_int_id
+        assert not self._users.get(aid), f"adapter {request.lora_name!r} still has users"
         del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
         self._host.pop(aid, None)
         for key in [k for k in self._step_parts if k[0] == aid]:
@@ -104,7 +161,8 @@ class AdapterRegistry:
         return len(self._requests)
 
     def requests(self) -> list[LoRARequest]:
-        return list(self._requests.values())
+        """The adapters served: registered and not being unloaded."""
+        return [r for aid, r in self._requests.items() if aid not in self._unloading]
 
     # --- host cache ---------------------------------------------------------------------------
 

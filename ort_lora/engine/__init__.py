@@ -1,13 +1,21 @@
-"""The engine's bookkeeping: unified page pool, sequences, scheduler, step plan.
+"""The serving engine. Pure bookkeeping (pool, sequences, scheduler, step plan, requests) plus
+the loop that drives one ONNX Runtime session; nothing here imports torch, and only the model
+runner's session imports onnxruntime. docs/ARCHITECTURE.md follows one request through it.
 
-Pure Python + numpy: nothing here imports onnxruntime or torch. The flow of one step is
-documented at the top of scheduler.py. Wiring:
+The loop, one `LLMEngine.step()` (the other modules' docstrings point here):
 
-    config = EngineConfig(max_loras=4, pool_memory_bytes=1 << 30).resolved(manifest)
-    pool = PagePool(config.num_pages)          # the session's pool has the same num_pages
-    scheduler = Scheduler(config, pool)
-    scheduler.add(Sequence(request_id, prompt_ids, params.max_tokens, lora_int_id,
-                           registry.num_pages_needed(lora_int_id), params, wants_logprobs))
+    plan = scheduler.schedule()          # a value: who runs which chunk, KV pages, adapter slots
+    runner.load_adapters(plan)           # adapters placed this step: weights into their pages
+    logits = runner.run(plan)            # graph inputs from the plan, one ORT run
+    sampled = sample(logits[sample rows], rows, rng)          # sampler.py, per-row settings
+    postprocess: prompt logprobs, detokenize + stop rules (Completion.add_token),
+                 done = scheduler.on_step_done(plan, tokens, stopped)   # length limits too
+                 tracker.finish(done)    # the one finish path (request.py)
+
+Between steps, on the same thread: add_request (check_request, then the sequences are queued),
+abort_request, add_lora / remove_lora (the registry drains an adapter before it is gone).
+Ids: a request has n completions; the scheduler's unit is the completion ("<request>#<i>").
+Engine tests check engine/invariants.py after every step.
 """
 
 from ort_lora.engine.pool import PagePool, PoolExhausted, PoolStats
@@ -19,6 +27,7 @@ from ort_lora.engine.step_plan import (
     ScheduledSeq,
     StepAdapter,
     StepPlan,
+    base_plan,
     build_metadata,
     make_plan,
 )
@@ -36,6 +45,7 @@ __all__ = [
     "SequenceStatus",
     "StepAdapter",
     "StepPlan",
+    "base_plan",
     "build_metadata",
     "make_plan",
 ]

@@ -6,4 +6,11 @@ class QueueFullError(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request the engine can never serve as given (e.g. prompt + max_tokens > context)."""
+    """A request the engine can never serve as given (e.g. prompt + max_tokens > context).
+
+    param: the request field at fault, as the OpenAI API names it (None if no one field is).
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

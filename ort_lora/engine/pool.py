@@ -25,13 +25,11 @@ API (the engine and scheduler call only these):
                                 (never evicts anything for it); None if resident or the free
                                 list is short. The caller copies the weights in; a later
                                 acquire is a hit
-  take_evicted() -> list        adapter ids evicted or dropped since the last call (their
-                                pages were reused: a GPU copy still in flight into them must
-                                be waited for before the pages are written again)
   release_adapter(id)           refcount - 1; the adapter stays resident, idle when 0
   drop_adapter(id) -> bool      free an idle adapter's pages now (unload); False if it is
                                 pinned (refcount > 0) or not resident
   is_resident(id), adapter_pages(id), refcount(id)
+  free_pages(), kv_pages(), residents() the pages by use (engine/invariants.py checks them)
   stats() -> PoolStats          page counts by use, adapter load/eviction/hit/miss counters
 
 Adapter ids are any hashable value chosen by the engine (e.g. LoRARequest.lora_int_id).
@@ -81,7 +79,6 @@ class PagePool:
         self._kv: set[int] = set()
         self._adapters: OrderedDict[Hashable, _Resident] = OrderedDict()
         self._loads = self._evictions = self._hits = self._misses = 0
-        self._evicted: list[Hashable] = []  # since the last take_evicted()
         # adapter id -> {"loads", "evictions", "hits", "misses"}: per-adapter /metrics figures
         self.adapter_counters: dict[Hashable, dict[str, int]] = {}
 
@@ -119,7 +116,6 @@ class PagePool:
     def _evict_lru(self) -> None:
         victim = next(a for a, r in self._adapters.items() if r.refcount == 0)
         self._free.extend(self._adapters.pop(victim).pages)
-        self._evicted.append(victim)
         self._evictions += 1
         self._count(victim, "evictions")
 
@@ -184,11 +180,6 @@ class PagePool:
         self._count(adapter_id, "loads")
         return list(pages)
 
-    def take_evicted(self) -> list[Hashable]:
-        """Adapter ids whose pages were taken back since the last call."""
-        out, self._evicted = self._evicted, []
-        return out
-
     def release_adapter(self, adapter_id: Hashable) -> None:
         """Unpin once; the adapter stays resident (idle and evictable at refcount 0)."""
         resident = self._adapters.get(adapter_id)
@@ -202,7 +193,6 @@ class PagePool:
         if resident is None or resident.refcount > 0:
             return False
         self._free.extend(self._adapters.pop(adapter_id).pages)
-        self._evicted.append(adapter_id)
         return True
 
     def is_resident(self, adapter_id: Hashable) -> bool:
@@ -218,6 +208,16 @@ class PagePool:
         """Pins held on the adapter (0 if idle or not resident)."""
         resident = self._adapters.get(adapter_id)
         return resident.refcount if resident else 0
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+    def kv_pages(self) -> set[int]:
+        return set(self._kv)
+
+    def residents(self) -> dict[Hashable, tuple[list[int], int]]:
+        """Resident adapters, least recently used first: id -> (pages, refcount)."""
+        return {a: (list(r.pages), r.refcount) for a, r in self._adapters.items()}
 
     # ---- metrics ----------------------------------------------------------------------------
 

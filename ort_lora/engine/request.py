@@ -1,27 +1,79 @@
-"""RequestState: the engine's view of one user request (n completions), turned into vLLM's
-RequestOutput. Each completion is one scheduler Sequence with id "<request_id>#<index>".
+"""Requests as the engine sees them: checked once at entry, tracked until they finish.
 
-Per completion it keeps the incremental detokenizer (stop strings held back), the logprobs,
-the cumulative logprob and the finish reason; per request the prompt logprobs (first None).
+A request has n completions; completion i is one scheduler Sequence with completion id
+"<request_id>#<i>". `check_request` is the one validation of a request (the server maps its
+RequestError to HTTP 400). `RequestTracker` owns the unfinished requests and the ONE path by
+which a completion finishes, however it ends (stop rule or length in the scheduler, abort,
+a failed adapter): `_finish` flushes its text, gives its adapter back to the registry and
+retires the request once every completion is done. The finish reason is stored once, as the
+sequence's status (FINISHED_STOPPED / _LENGTH / _ABORTED), with its stop_reason beside it.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ort_lora.engine.sampler import make_generator
-from ort_lora.engine.sequence import Sequence
+from ort_lora.adapters.registry import AdapterRegistry
+from ort_lora.engine.errors import RequestError
+from ort_lora.engine.sampler import SampleRow, make_generator
+from ort_lora.engine.scheduler import Scheduler
+from ort_lora.engine.sequence import Sequence as Seq
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.tokenizer import IncrementalDetokenizer
 
+NOT_STOPPED = object()  # Completion.add_token: the new token does not end the completion
 
-def seq_id(request_id: str, index: int) -> str:
+
+def completion_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the vocabulary, the context, the pool."""
+
+    vocab_size: int  # rows of the embedding: prompt ids must be below
+    max_model_len: int  # prompt + output tokens
+    block_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool (KV and adapters together)
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: SamplingParams, adapter_pages: int, limits: RequestLimits
+) -> int:
+    """The request's max_tokens (params.max_tokens, or what the context leaves); RequestError
+    naming the problem if it can never be served. The one place requests are validated."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty; expected at least one token", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
+            "prompt",
+        )
+    n, limit, asked = len(prompt_ids), limits.max_model_len, params.max_tokens
+    if n >= limit or (asked is not None and n + asked > limit):
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n + (asked or 0)} tokens ({n} in the prompt, {asked or 0} in the completion). "
+            "Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    max_tokens = limit - n if asked is None else asked
+    kv_pages = -(-(n + max_tokens) // limits.block_size)
+    if kv_pages + adapter_pages > limits.num_pages:
+        raise RequestError(
+            f"prompt + max_tokens = {n + max_tokens} tokens need {kv_pages} KV pages + "
+            f"{adapter_pages} adapter pages, more than the pool's {limits.num_pages} pages; "
+            "lower max_tokens or grow the pool",
+            "max_tokens",
+        )
+    return max_tokens
 
 
 @dataclass
@@ -29,13 +81,34 @@ class Completion:
     """One of the request's n completions, as the engine builds it token by token."""
 
     index: int
-    seq: Sequence
+    seq: Seq
     detok: IncrementalDetokenizer
     generator: np.random.Generator | None
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.status.finish_reason
+
+    def add_token(self, token: int, eos_token_ids: Sequence[int]):
+        """Detokenize the sampled token and apply the stop rules: a stop string (found and cut
+        by the detokenizer), EOS (unless ignore_eos), a stop token id. Returns the stop
+        reason (the string, the token id, None for EOS) or NOT_STOPPED. Length limits are
+        the scheduler's."""
+        params = self.seq.sampling_params
+        self.detok.add(token)
+        if self.detok.stopped is not None:
+            return self.detok.stopped
+        if not params.ignore_eos and token in eos_token_ids:
+            return None
+        return token if token in params.stop_token_ids else NOT_STOPPED
+
+    def sample_row(self) -> SampleRow:
+        seq = self.seq
+        return SampleRow(
+            seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator
+        )
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -45,7 +118,7 @@ class Completion:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            stop_reason=self.seq.stop_reason,
         )
 
 
@@ -58,8 +131,6 @@ class RequestState:
     lora_request: LoRARequest | None
     completions: list[Completion] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     @classmethod
     def create(cls, request_id, prompt, prompt_ids, params, lora_request, seqs, tokenizer):
@@ -86,12 +157,88 @@ class RequestState:
         return all(c.finish_reason is not None for c in self.completions)
 
     def output(self) -> RequestOutput:
+        outputs = [c.output() for c in self.completions]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
-            outputs=[c.output() for c in self.completions],
-            finished=self.finished,
+            outputs=outputs,
+            finished=all(o.finish_reason is not None for o in outputs),
             lora_request=self.lora_request,
         )
+
+
+class RequestTracker:
+    """The unfinished requests, their completions by completion id, and the finish path."""
+
+    def __init__(self, scheduler: Scheduler, registry: AdapterRegistry):
+        self.scheduler = scheduler
+        self.registry = registry
+        self.requests: dict[str, RequestState] = {}
+        self._owners: dict[str, tuple[RequestState, Completion]] = {}  # by completion id
+        self._failures: list[tuple[str, Exception]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, state: RequestState) -> None:
+        """Queue every completion of a checked request with the scheduler."""
+        if state.request_id in self.requests:
+            raise RequestError(f"request id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        for c in state.completions:
+            self._owners[c.seq.completion_id] = (state, c)
+            if c.seq.adapter_id is not None:
+                self.registry.add_user(c.seq.adapter_id)
+            self.scheduler.add(c.seq)
+
+    def owner(self, completion_id: str) -> tuple[RequestState, Completion]:
+        return self._owners[completion_id]
+
+    def unfinished(self) -> list[Seq]:
+        """Every unfinished sequence, waiting or running."""
+        return [c.seq for _, c in self._owners.values()]
+
+    def finish(self, seqs: Iterable[Seq]) -> None:
+        """Sequences the scheduler has ended (status FINISHED_*): finish their completions
+        (a request whose completions are all finished is retired)."""
+        for seq in seqs:
+            self._finish(seq)
+
+    def abort(self, request_id: str, error: Exception | None = None) -> RequestOutput | None:
+        """End a request now (client gone, or `error`, reported by take_failures); its pages
+        are free at once. Returns its final output, None if it is unknown or done."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for c in state.completions:
+            seq = self.scheduler.abort(c.seq.completion_id)
+            if seq is not None:
+                self._finish(seq)
+        if error is not None:
+            self._failures.append((request_id, error))
+        return state.output()
+
+    def fail_adapter(self, adapter_id: int, error: Exception) -> None:
+        """End every request of an adapter whose weights could not be loaded, with `error`."""
+        for state in list(self.requests.values()):
+            if state.lora_request is not None and state.lora_request.lora_int_id == adapter_id:
+                self.abort(state.request_id, error)
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of the requests ended by an error since the last call."""
+        out, self._failures = self._failures, []
+        return out
+
+    def _finish(self, seq: Seq) -> None:
+        assert seq.is_finished, f"{seq} has not finished"
+        state, c = self._owners.pop(seq.completion_id)
+        if c.detok.stopped is None:
+            c.detok.finish()  # release the text held back for stop strings and UTF-8
+        if seq.adapter_id is not None:
+            drained = self.registry.remove_user(seq.adapter_id)
+            if drained is not None:
+                self.scheduler.pool.drop_adapter(drained)
+        if state.finished:  # (every status may have been set by the same on_step_done)
+            self.requests.pop(state.request_id, None)

@@ -9,8 +9,6 @@ Per row, in this order (vLLM v1's):
      one draw from the row's own generator (seeded requests are reproducible)
 Logprobs are the log-softmax of the RAW logits (vLLM's default "raw_logprobs"): the sampled
 token first, then the top-k, each with its rank (1 = most likely).
-
-check_stop() is the stop rule the engine's postprocess applies after each new token.
 """
 
 from __future__ import annotations
@@ -175,49 +173,3 @@ def prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int], k: int) -
         raise ValueError(f"{len(logits)} logits rows for {len(next_token_ids)} next tokens")
     lp = log_softmax(logits)  # [N, V]
     return [position_logprobs(row, int(t), k) for row, t in zip(lp, next_token_ids)]
-
-
-@dataclass(frozen=True)
-class StopDecision:
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None  # the stop token id or stop string; None for eos / length
-    text_len: int  # keep output_text[:text_len] (a stop string and what follows are cut)
-
-
-def check_stop(
-    output_token_ids: Sequence[int],
-    output_text: str,
-    new_text_len: int,
-    params: SamplingParams,
-    eos_token_ids: Sequence[int],
-    max_model_len: int | None = None,
-    num_prompt_tokens: int = 0,
-) -> StopDecision | None:
-    """Whether a request is done after appending its last token (vLLM's StopChecker order).
-
-    eos (unless ignore_eos) -> stop_token_ids -> stop strings (searched in the last
-    new_text_len characters plus the overlap a stop string may span; the earliest match wins;
-    the text is cut before it) -> max_tokens -> max_model_len. None = keep going.
-    """
-    last = output_token_ids[-1] if output_token_ids else None
-    if last is not None and not params.ignore_eos and last in eos_token_ids:
-        return StopDecision("stop", None, len(output_text))
-    if last is not None and last in params.stop_token_ids:
-        return StopDecision("stop", last, len(output_text))
-    hit = _find_stop_string(output_text, new_text_len, params.stop)
-    if hit is not None:
-        return StopDecision("stop", hit[1], hit[0])
-    if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
-        return StopDecision("length", None, len(output_text))
-    if max_model_len is not None and num_prompt_tokens + len(output_token_ids) >= max_model_len:
-        return StopDecision("length", None, len(output_text))
-    return None
-
-
-def _find_stop_string(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    best = None
-    for s in stops:
-        at = text.find(s, max(0, len(text) - new_len - len(s) + 1))
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, s)
-    return best

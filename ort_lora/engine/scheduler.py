@@ -1,21 +1,13 @@
 """Scheduler: continuous batching over the unified pool; each step yields a StepPlan (a value).
 
-The engine loop, one step:
-
-    plan = scheduler.schedule()                    # StepPlan, entries ordered by slot
-    if plan.is_empty: wait for requests
-    for a in plan.loads + plan.prefetch:           # copy weights into their fresh pages
-        registry.write_to_pool(a.adapter_id, a.pages, session.pool)
-    inputs = build_metadata(plan, block_size, buffers=buffers)
-    inputs |= registry.lora_step_inputs(plan.lora_slots, num_pages)
-    logits = session.run(inputs)                   # [plan.num_logit_rows, vocab]
-    tokens = {e.request_id: sample(logits[e.sample_row]) for e in plan.entries if e.sample}
-    finished = {rid: SequenceStatus.FINISHED_STOPPED for rid in tokens if stop(rid)}
-    done = scheduler.on_step_done(plan, tokens, finished)   # frees pages, releases adapters
-
-add(seq) and abort(request_id) are called between steps, from the engine loop's thread.
-Sequence.adapter_id is the registry's int adapter id (LoRARequest.lora_int_id), None = base,
-and Sequence.adapter_pages = registry.num_pages_needed(adapter_id).
+Its place in the engine loop is described in ort_lora/engine/__init__.py: `schedule()` makes
+the plan, `on_step_done(plan, sampled, stopped)` advances the sequences after the run and
+returns those that finished (pages freed, adapter pins released). `add(seq)` and
+`abort(completion_id)` are called between steps, from the engine loop's thread. Sequences are
+named by completion id; Sequence.adapter_id is the registry's int adapter id (None = base)
+and Sequence.adapter_pages = registry.num_pages_needed(adapter_id). The engine validates a
+request before it builds its sequences (engine/request.py: check_request), so everything
+here that is wrong is a bug: assertions, not errors.
 
 Rules of schedule() (every step, Orca-style continuous batching):
 1. Decode first: every running sequence with one pending token runs it, oldest first. When
@@ -74,13 +66,13 @@ class _Step:
     def __init__(self, budget: int):
         self.budget = budget
         self.items: list[tuple[Sequence, int]] = []
-        self.ids: set[str] = set()
+        self.ids: set[str] = set()  # completion ids
         self.loaded: set[Hashable] = set()
 
     def add(self, seq: Sequence, n: int) -> None:
         assert 0 < n <= self.budget, f"chunk of {n} tokens exceeds the budget for {seq}"
         self.items.append((seq, n))
-        self.ids.add(seq.request_id)
+        self.ids.add(seq.completion_id)
         self.budget -= n
 
 
@@ -96,72 +88,38 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival: oldest first, newest last
-        self.requests: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # completion id -> unfinished sequence
         self._arrivals = itertools.count()
-        self._cap_waits: dict[str, int] = {}  # steps a request was passed over by the cap
+        self._cap_waits: dict[str, int] = {}  # steps a sequence was passed over by the cap
         self.num_preemptions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request. ValueError if its id is taken or it can never fit the pool."""
-        if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
-            raise ValueError(f"request {seq.request_id!r} is not a fresh sequence: {seq}")
-        self._check_fits(seq)
-        self._check_adapter_size(seq)
+        """Queue a new, checked sequence (see check_request): it fits the pool when alone."""
+        assert seq.completion_id not in self.sequences, f"{seq.completion_id} is already queued"
+        assert seq.status is SequenceStatus.WAITING and not seq.num_computed_tokens, seq
         seq.arrival = next(self._arrivals)
-        self.requests[seq.request_id] = seq
+        self.sequences[seq.completion_id] = seq
         self.waiting.append(seq)
 
-    def _check_fits(self, seq: Sequence) -> None:
-        limit, rid = self.config.max_model_len, seq.request_id
-        if limit is not None and seq.num_prompt_tokens >= limit:
-            raise ValueError(
-                f"request {rid}: the prompt has {seq.num_prompt_tokens} tokens; "
-                f"max_model_len is {limit} (prompt + output), so it must be shorter"
-            )
-        total = seq.num_prompt_tokens + seq.max_tokens
-        total = total if limit is None else min(total, limit)
-        blocks = -(-total // self.config.block_size)
-        if blocks + seq.adapter_pages > self.pool.num_pages:
-            raise ValueError(
-                f"request {rid}: prompt + max_tokens = {total} tokens need {blocks} KV pages"
-                f" + {seq.adapter_pages} adapter pages, more than the pool's "
-                f"{self.pool.num_pages} pages; lower max_tokens or grow the pool"
-            )
-
-    def _check_adapter_size(self, seq: Sequence) -> None:
-        """A resident adapter of another size is stale (reloaded with new weights): drop it
-        if idle; if running requests still use it, refuse the request."""
-        aid = seq.adapter_id
-        if aid is None or not self.pool.is_resident(aid):
-            return
-        held = len(self.pool.adapter_pages(aid))
-        if held != seq.adapter_pages and not self.pool.drop_adapter(aid):
-            raise ValueError(
-                f"request {seq.request_id}: adapter {aid!r} needs {seq.adapter_pages} pages "
-                f"but running requests use it with {held}; wait for them or use a new id"
-            )
-
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request (waiting or running). False if it is unknown or already done."""
-        seq = self.requests.get(request_id)
+    def abort(self, completion_id: str) -> Sequence | None:
+        """Cancel a sequence (waiting or running); None if it is unknown or already done."""
+        seq = self.sequences.get(completion_id)
         if seq is None:
-            return False
+            return None
         if seq.status is SequenceStatus.RUNNING:
             self._release(seq)
         else:
             self.waiting.remove(seq)
         self._forget(seq, SequenceStatus.FINISHED_ABORTED)
-        return True
+        return seq
 
-    def get(self, request_id: str) -> Sequence | None:
-        return self.requests.get(request_id)
+    def get(self, completion_id: str) -> Sequence | None:
+        return self.sequences.get(completion_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.sequences)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -186,9 +144,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below as the victim of an older sequence
             while not self.pool.can_allocate(seq.blocks_needed(self.config.block_size)):
-                victim = next(s for s in reversed(self.running) if s.request_id not in step.ids)
+                victim = next(s for s in reversed(self.running) if s.completion_id not in step.ids)
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted.append(victim.completion_id)
                 if victim is seq:
                     break
             else:
@@ -210,7 +168,7 @@ class Scheduler:
                 break
             aid = seq.adapter_id
             if aid is not None and aid not in active and len(active) >= self.config.max_loras:
-                if self._cap_waits.get(seq.request_id, 0) >= self.config.max_adapter_wait_steps:
+                if self._cap_waits.get(seq.completion_id, 0) >= self.config.max_adapter_wait_steps:
                     break  # it has waited long enough: let active adapters drain for it
                 blocked = blocked or seq
                 continue
@@ -221,7 +179,8 @@ class Scheduler:
             if aid is not None:
                 active.add(aid)
         if blocked is not None and blocked.status is SequenceStatus.WAITING:
-            self._cap_waits[blocked.request_id] = self._cap_waits.get(blocked.request_id, 0) + 1
+            cid = blocked.completion_id
+            self._cap_waits[cid] = self._cap_waits.get(cid, 0) + 1
 
     def _admit(self, seq: Sequence, step: _Step) -> None:
         if seq.adapter_id is not None:
@@ -230,7 +189,7 @@ class Scheduler:
                 step.loaded.add(seq.adapter_id)
         self._grow(seq)
         self.waiting.remove(seq)
-        self._cap_waits.pop(seq.request_id, None)
+        self._cap_waits.pop(seq.completion_id, None)
         seq.set_status(SequenceStatus.RUNNING)
         insort(self.running, seq, key=lambda s: s.arrival)
         step.add(seq, min(seq.num_pending_tokens, step.budget))
@@ -259,7 +218,7 @@ class Scheduler:
             for aid, slot in slots.items()
         ]
         entries = [_entry(seq, n, slots.get(seq.adapter_id, BASE_SLOT)) for seq, n in step.items]
-        return make_plan(entries, adapters, preempted, prefetch, self.pool.take_evicted())
+        return make_plan(entries, adapters, preempted, prefetch)
 
     # ---- after the step ---------------------------------------------------------------------
 
@@ -267,43 +226,36 @@ class Scheduler:
         self,
         plan: StepPlan,
         sampled: Mapping[str, int],
-        finished: Mapping[str, SequenceStatus] | None = None,
+        stopped: Mapping[str, int | str | None] | None = None,
     ) -> list[Sequence]:
         """Advance the plan's sequences; return those that finished (pages already freed).
 
-        sampled:  request id -> token, for every entry with `sample` (aborted ones skipped)
-        finished: request id -> FINISHED_STOPPED (EOS, stop token or string) for sampled ids;
-                  max_tokens / max_model_len end a sequence as FINISHED_LENGTH here.
+        sampled: completion id -> new token, for every entry with `sample`
+        stopped: completion id -> stop reason (stop token id, stop string, None for EOS) of
+                 the sampled sequences whose new token ends them: FINISHED_STOPPED. The
+                 length limits (max_tokens, max_model_len) are applied here: FINISHED_LENGTH.
         """
-        finished = dict(finished or {})
-        self._check_results(plan, sampled, finished)
+        stopped = stopped or {}
+        ids = [e.completion_id for e in plan.entries if e.sample]  # checked before any change
+        assert len(ids) == len(sampled) and all(i in sampled for i in ids), f"sampled {sampled}"
+        assert all(i in sampled for i in stopped), f"stopped {stopped} sampled nothing"
         done = []
         for e in plan.entries:
-            seq = self.requests.get(e.request_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted after schedule()
+            seq = self.sequences[e.completion_id]
             self._advance(seq, e)
-            if e.sample:
-                seq.append_token(sampled[e.request_id])
-                status = finished.get(e.request_id) or self._length_status(seq)
-                if status is not None:
-                    self._release(seq)
-                    self._forget(seq, status)
-                    done.append(seq)
+            if not e.sample:
+                continue
+            seq.append_token(sampled[e.completion_id])
+            if e.completion_id in stopped:
+                seq.stop_reason = stopped[e.completion_id]
+                status = SequenceStatus.FINISHED_STOPPED
+            else:
+                status = self._length_status(seq)
+            if status is not None:
+                self._release(seq)
+                self._forget(seq, status)
+                done.append(seq)
         return done
-
-    def _check_results(self, plan: StepPlan, sampled: Mapping, finished: Mapping) -> None:
-        """ValueError, before any change, if the engine's results do not match the plan."""
-        sampled_ids = {e.request_id for e in plan.entries if e.sample}
-        unknown = (set(sampled) | set(finished)) - sampled_ids
-        if unknown:
-            raise ValueError(f"on_step_done: requests {sorted(unknown)} sampled nothing in plan")
-        live = {r for r in sampled_ids if r in self.requests}
-        if live - set(sampled):
-            raise ValueError(f"on_step_done: no sampled token for {sorted(live - set(sampled))}")
-        bad = {r: s for r, s in finished.items() if not s.is_finished}
-        if bad:
-            raise ValueError(f"on_step_done: finished statuses must be FINISHED_*, got {bad}")
 
     def _advance(self, seq: Sequence, e: ScheduledSeq) -> None:
         assert seq.num_computed_tokens == e.start_pos, f"{seq} ran out of order"
@@ -345,8 +297,8 @@ class Scheduler:
 
     def _forget(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.set_status(status)
-        del self.requests[seq.request_id]
-        self._cap_waits.pop(seq.request_id, None)
+        del self.sequences[seq.completion_id]
+        self._cap_waits.pop(seq.completion_id, None)
 
 
 def _entry(seq: Sequence, n: int, slot: int) -> ScheduledSeq:
@@ -361,7 +313,7 @@ def _entry(seq: Sequence, n: int, slot: int) -> ScheduledSeq:
     if sample:
         rows.append(n - 1)
     return ScheduledSeq(
-        request_id=seq.request_id,
+        completion_id=seq.completion_id,
         token_ids=tuple(seq.token_ids[start:end]),
         start_pos=start,
         block_table=tuple(seq.block_table),

@@ -1,4 +1,7 @@
-"""Sequence: one request's tokens, KV blocks and lifecycle, as the scheduler sees it.
+"""Sequence: one completion's tokens, KV blocks and lifecycle, as the scheduler sees it.
+
+A request with n completions is n sequences; each is named by its completion id
+("<request_id>#<index>", see engine/request.py), never by the user's request id.
 
 Token bookkeeping: `token_ids` = prompt + output. `num_computed_tokens` of them have their
 K/V in the pool; the next step runs `token_ids[num_computed_tokens:]` (or a chunk of it).
@@ -22,32 +25,21 @@ from typing import Any
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()  # queued, holds no pages and no adapter pin (new or preempted)
-    RUNNING = enum.auto()  # holds KV pages for all its tokens and a pin on its adapter
-    FINISHED_STOPPED = enum.auto()  # sampled an EOS / stop token or produced a stop string
-    FINISHED_LENGTH = enum.auto()  # reached max_tokens or max_model_len
-    FINISHED_ABORTED = enum.auto()  # cancelled by the caller (client gone, abort())
+    """The lifecycle state, with its OpenAI-style finish_reason ("stop", "length", "abort";
+    None while unfinished) as a plain attribute: read for every completion at every step."""
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
+    WAITING = 1, None  # queued, holds no pages and no adapter pin (new or preempted)
+    RUNNING = 2, None  # holds KV pages for all its tokens and a pin on its adapter
+    FINISHED_STOPPED = 3, "stop"  # sampled an EOS / stop token or produced a stop string
+    FINISHED_LENGTH = 4, "length"  # reached max_tokens or max_model_len
+    FINISHED_ABORTED = 5, "abort"  # cancelled by the caller (client gone, abort()) or failed
 
-    @property
-    def finish_reason(self) -> str | None:
-        """OpenAI-style finish_reason: "stop", "length", "abort", or None if unfinished."""
-        return _FINISH_REASON.get(self)
+    def __init__(self, _: int, finish_reason: str | None):
+        self.finish_reason = finish_reason
+        self.is_finished = finish_reason is not None
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH,
-    SequenceStatus.FINISHED_ABORTED,
-}
-_FINISH_REASON = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
+_FINISHED = {s for s in SequenceStatus if s.is_finished}
 _TRANSITIONS = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
     SequenceStatus.RUNNING: {SequenceStatus.WAITING} | _FINISHED,
@@ -55,9 +47,10 @@ _TRANSITIONS = {
 
 
 class Sequence:
-    """One request. Build it in the engine; the scheduler owns it after `Scheduler.add`.
+    """One completion. Build it in the engine; the scheduler owns it after `Scheduler.add`.
+    The engine validates requests (engine/request.py: check_request) before building them.
 
-    request_id:            unique id (str) of the request
+    completion_id:         unique id (str) of the completion
     prompt_token_ids:      non-empty list of token ids
     max_tokens:            output tokens at most (the sampling params' max_tokens)
     adapter_id:            hashable adapter id, None = base model
@@ -68,7 +61,7 @@ class Sequence:
 
     def __init__(
         self,
-        request_id: str,
+        completion_id: str,
         prompt_token_ids: SeqOf[int],
         max_tokens: int,
         adapter_id: Hashable | None = None,
@@ -76,8 +69,8 @@ class Sequence:
         sampling_params: Any = None,
         wants_prompt_logprobs: bool = False,
     ):
-        self.request_id = request_id
-        self.prompt_token_ids = _token_list(request_id, prompt_token_ids)
+        self.completion_id = completion_id
+        self.prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
         self.output_token_ids: list[int] = []
         self.max_tokens = max_tokens
         self.adapter_id = adapter_id
@@ -91,21 +84,11 @@ class Sequence:
         self.num_preemptions = 0
         # Prompt rows whose logits were already returned (not repeated after a preemption).
         self.num_prompt_logits_done = 0
-        self._validate()
-
-    def _validate(self) -> None:
-        rid = self.request_id
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {rid}: the prompt is empty; expected at least one token")
-        if min(self.prompt_token_ids) < 0:
-            raise ValueError(f"request {rid}: prompt token ids must be >= 0")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"request {rid}: max_tokens must be >= 1, got {self.max_tokens!r}")
-        if self.adapter_id is not None and self.adapter_pages < 1:
-            raise ValueError(
-                f"request {rid}: adapter {self.adapter_id!r} needs adapter_pages >= 1, "
-                f"got {self.adapter_pages}"
-            )
+        # What ended it when status is FINISHED_STOPPED: the stop token id or stop string,
+        # None for an EOS token (vLLM's stop_reason). The finish reason is the status itself.
+        self.stop_reason: int | str | None = None
+        assert self.prompt_token_ids and self.max_tokens >= 1, f"unchecked request: {self}"
+        assert adapter_id is None or adapter_pages >= 1, f"adapter without pages: {self}"
 
     # ---- derived sizes ----------------------------------------------------------------------
 
@@ -140,8 +123,7 @@ class Sequence:
         """The one place the lifecycle changes; rejects transitions the diagram forbids."""
         if status not in _TRANSITIONS.get(self.status, ()):
             raise ValueError(
-                f"request {self.request_id}: illegal status change {self.status.name} -> "
-                f"{status.name}"
+                f"{self.completion_id}: illegal status change {self.status.name} -> {status.name}"
             )
         if status is SequenceStatus.WAITING:
             self.num_preemptions += 1
@@ -152,14 +134,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.name}, adapter={self.adapter_id!r}, "
+            f"Sequence({self.completion_id!r}, {self.status.name}, adapter={self.adapter_id!r}, "
             f"tokens={self.num_prompt_tokens}+{len(self.output_token_ids)}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
-
-
-def _token_list(request_id: str, tokens: SeqOf[int]) -> list[int]:
-    try:
-        return [operator.index(t) for t in tokens]
-    except TypeError as e:
-        raise ValueError(f"request {request_id}: prompt token ids must be integers ({e})") from e

@@ -1,8 +1,9 @@
 """StepPlan: what one forward pass runs (a value), and the graph metadata arrays it implies.
 
-The scheduler returns a StepPlan; the engine turns it into graph inputs with
-`build_metadata(plan, block_size)` (numpy only) and asks the adapter registry for the
-per-module LoRA arrays from `plan.adapters` [(slot, adapter_id, pages)].
+The scheduler returns a StepPlan; the model runner (model_runner.py) turns it into graph
+inputs with `build_metadata(plan, block_size)` (numpy only) and the adapter registry's
+per-module LoRA arrays for `plan.lora_slots` [(slot, adapter_id, pages)]. `base_plan` builds
+a plan by hand, for running the model without a scheduler (export --verify, tests).
 
 Ordering: entries are sorted by adapter slot, base requests (slot -1) FIRST, so every
 adapter's tokens are one contiguous LoRA segment. Slots are 0..k-1 over this step's
@@ -32,7 +33,7 @@ BASE_SLOT = -1
 class ScheduledSeq:
     """One sequence's share of a step."""
 
-    request_id: str
+    completion_id: str  # the sequence's id ("<request_id>#<index>" in the engine)
     token_ids: tuple[int, ...]  # the new tokens run this step (a chunk, or 1 in decode)
     start_pos: int  # tokens already in the KV cache = position of token_ids[0]
     block_table: tuple[int, ...]  # pool pages of its KV blocks, in order
@@ -67,15 +68,13 @@ class StepPlan:
     """One step: entries ordered by slot (base first), adapters by slot, preempted ids.
 
     prefetch: adapters of waiting requests put into free pages this step (slot -1, not used
-    by the step): load them now, nothing waits for them. evicted: adapter ids whose pages
-    were taken back while scheduling (a GPU step waits for their in-flight copies).
+    by the step): load them now; the step does not wait for their copies.
     """
 
     entries: tuple[ScheduledSeq, ...]
     adapters: tuple[StepAdapter, ...]
-    preempted: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()  # completion ids
     prefetch: tuple[StepAdapter, ...] = ()
-    evicted: tuple[Hashable, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +104,6 @@ def make_plan(
     adapters: Iterable[StepAdapter],
     preempted: Iterable[str] = (),
     prefetch: Iterable[StepAdapter] = (),
-    evicted: Iterable[Hashable] = (),
 ) -> StepPlan:
     """Sort entries by slot (stable, base first) and set each entry's logits_offset."""
     ordered, offset = [], 0
@@ -114,7 +112,32 @@ def make_plan(
         offset += len(e.logit_rows)
     slots = sorted(adapters, key=lambda a: a.slot)
     assert [a.slot for a in slots] == list(range(len(slots))), "adapter slots must be 0..k-1"
-    return StepPlan(tuple(ordered), tuple(slots), tuple(preempted), tuple(prefetch), tuple(evicted))
+    return StepPlan(tuple(ordered), tuple(slots), tuple(preempted), tuple(prefetch))
+
+
+def base_plan(*seqs: tuple, block_size: int) -> StepPlan:
+    """A plan of base-model sequences given by hand: each (token_ids, start_pos, block_table)
+    or (token_ids, start_pos, block_table, logit_rows); default logit row: the last token.
+
+    Token i of a sequence sits at position start_pos + i, in page
+    block_table[position // block_size]. Nothing is sampled (`sample` is False).
+    """
+    entries = []
+    for b, (ids, start, table, *rows) in enumerate(seqs):
+        if not ids or start < 0:
+            raise ValueError(f"sequence {b}: needs new tokens and start_pos >= 0, got {start}")
+        last = start + len(ids) - 1
+        if last // block_size >= len(table):
+            raise ValueError(
+                f"sequence {b}: {len(ids)} tokens at position {start} need "
+                f"{last // block_size + 1} blocks of {block_size}, its block table has "
+                f"{len(table)}"
+            )
+        rows = tuple(rows[0]) if rows else (len(ids) - 1,)
+        entries.append(
+            ScheduledSeq(str(b), tuple(ids), start, tuple(table), BASE_SLOT, rows, False)
+        )
+    return make_plan(entries, [])
 
 
 class MetadataBuffers:

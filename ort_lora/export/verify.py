@@ -53,21 +53,21 @@ def reference_step(model, token_ids: list[int], cache=None):
     return out.logits[0].numpy(), getattr(out, key)
 
 
-def compare_greedy(reference, session, prompt: list[int], steps: int) -> float:
+def compare_greedy(reference, runner, prompt: list[int], steps: int) -> float:
     """Max |logits diff| over the prefill and `steps` greedy decode steps of one prompt."""
-    from ort_lora.runtime.session import SequenceStep
+    from ort_lora.engine.step_plan import base_plan
 
-    bs = session.manifest.block_size
+    bs = runner.block_size
     blocks = list(range(-(-(len(prompt) + steps) // bs)))
     logits, cache = reference_step(reference, prompt)
     ref = logits[-1]  # [vocab]
-    ours = session.step([SequenceStep(prompt, 0, blocks)])[0]
+    ours = runner.run(base_plan((prompt, 0, blocks), block_size=bs))[0]
     worst = float(np.abs(ours - ref).max())
     for past in range(len(prompt), len(prompt) + steps):
         token = int(ref.argmax())
         logits, cache = reference_step(reference, [token], cache)
         ref = logits[-1]
-        ours = session.step([SequenceStep([token], past, blocks)])[0]
+        ours = runner.run(base_plan(([token], past, blocks), block_size=bs))[0]
         worst = max(worst, float(np.abs(ours - ref).max()))
     return worst
 
@@ -75,6 +75,7 @@ def compare_greedy(reference, session, prompt: list[int], steps: int) -> float:
 def verify_export(model_path, out_dir, *, num_prompts: int = 3, steps: int = 8) -> float:
     """Max |logits diff| between the export in out_dir and transformers on model_path."""
     from ort_lora.contract import ModelManifest
+    from ort_lora.engine.model_runner import ModelRunner
     from ort_lora.runtime.session import ModelSession
 
     out_dir = Path(out_dir)
@@ -83,6 +84,6 @@ def verify_export(model_path, out_dir, *, num_prompts: int = 3, steps: int = 8) 
         raise ExportError(f"--verify runs on CPU; this export is for device {manifest.device}")
     prompts = _prompt_ids(out_dir, manifest.vocab_size, num_prompts)
     pages = max(-(-(len(p) + steps) // manifest.block_size) for p in prompts)
-    session = ModelSession(out_dir, num_pages=pages)
+    runner = ModelRunner(ModelSession(out_dir, num_pages=pages))
     reference = load_reference(model_path)
-    return max(compare_greedy(reference, session, p, steps) for p in prompts)
+    return max(compare_greedy(reference, runner, p, steps) for p in prompts)

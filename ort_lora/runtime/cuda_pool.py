@@ -8,8 +8,9 @@ pinned host staging buffer shaped like a pool of len(pages) pages, then copies e
 of consecutive pages) across all layers with one cudaMemcpy2DAsync on a side stream
 (`upload_copies`) and records an event. The next step does not block the host: before ORT
 runs, its compute stream (ours, given to the CUDA EP as `user_compute_stream`) is made to wait
-on the events of the adapters the step uses (cudaStreamWaitEvent), so copies overlap with
-whatever the GPU is still doing and no kernel reads a page before its copy lands.
+(cudaStreamWaitEvent) on every upload in flight except the prefetches issued for this very
+step, so copies overlap with whatever the GPU is still doing and no kernel reads or writes a
+page before a copy into it lands (see PrefetchTracker.events_for_step for why that suffices).
 
 `PrefetchTracker` is the pure bookkeeping (in-flight loads, their events, staging reuse) and
 `pool_bind_plan` / `upload_copies` are pure arithmetic: all three are unit-tested on CPU.
@@ -136,6 +137,8 @@ class Load:
     pages: tuple[int, ...]
     event: object
     staging: Staging
+    prefetch: bool = False  # for a waiting request: the step it was issued with does not use it
+    step: int = 0  # the step it was issued with (PrefetchTracker.step when it began)
 
 
 @dataclass
@@ -149,6 +152,7 @@ class PrefetchTracker:
 
     inflight: list[Load] = field(default_factory=list)
     free: list[Staging] = field(default_factory=list)
+    step: int = 0  # steps begun so far (events_for_step calls)
 
     def acquire(self, nbytes: int) -> Staging | None:
         """The smallest free buffer of at least nbytes (taken off the free list), or None."""
@@ -160,15 +164,22 @@ class PrefetchTracker:
         return best
 
     def begin(self, load: Load) -> None:
-        """Record a load whose copies and event have been enqueued."""
+        """Record a load whose copies and event have been enqueued (for the next step)."""
+        load.step = self.step
         self.inflight.append(load)
 
-    def events_for(self, adapter_ids: Iterable[int] | None) -> list[object]:
-        """Events a step using adapter_ids must wait for (None: every load in flight)."""
-        if adapter_ids is None:
-            return [ld.event for ld in self.inflight]
-        wanted = set(adapter_ids)
-        return [ld.event for ld in self.inflight if ld.adapter_id in wanted]
+    def events_for_step(self) -> list[object]:
+        """Events the step about to run waits for, then that step counts as begun.
+
+        Every load in flight except the prefetches issued for this step. Those went into
+        pages that were free when the step was scheduled (after its KV blocks and adapters
+        were placed), so the step neither reads nor writes them. Any other load may share a
+        page with the step: one of its adapters, or pages an eviction gave to KV or to
+        another adapter since. Waiting on an event that already fired costs nothing.
+        """
+        events = [ld.event for ld in self.inflight if not (ld.prefetch and ld.step == self.step)]
+        self.step += 1
+        return events
 
     def retire(self, is_done: Callable[[object], bool]) -> list[Load]:
         """Drop the loads whose events fired; their staging buffers become free."""
@@ -253,12 +264,10 @@ class CudaPool:
     """The device pool of one model: allocation, bindings, asynchronous adapter uploads.
 
     pool.compute_stream is the stream to give the CUDA EP (`user_compute_stream`);
-    pool.load(adapter_id, pages, write) stages and uploads an adapter; pool.wait_for(ids)
-    makes the compute stream wait for those adapters' uploads.
-    Invariant: a load's pages are not given to anything else (KV, another adapter) before its
-    event fired. The engine keeps it because it loads only adapters of the step it runs next,
-    and that step waits for them; a prefetch of adapters not yet scheduled must wait_for them
-    (or synchronize) before their pages can be freed.
+    pool.load(adapter_id, pages, write, prefetch) stages and uploads an adapter before the
+    next step; pool.wait_for_step() makes the compute stream wait for the uploads that step
+    may touch (PrefetchTracker.events_for_step). Loads go through one copy stream, in order,
+    so a later copy into a page also lands after an earlier one.
     """
 
     def __init__(self, manifest: C.ModelManifest, num_pages: int, runtime: CudaRuntime):
@@ -276,8 +285,11 @@ class CudaPool:
         self.tracker = PrefetchTracker()
         self.bindings = pool_bind_plan(manifest, num_pages, self.base)
 
-    def load(self, adapter_id: int, pages, write: Callable[[np.ndarray], None]) -> None:
-        """write(staging) fills a host pool of len(pages) pages; its pages go to `pages`."""
+    def load(
+        self, adapter_id: int, pages, write: Callable[[np.ndarray], None], prefetch: bool = False
+    ) -> None:
+        """write(staging) fills a host pool of len(pages) pages; its pages go to `pages`.
+        prefetch: the next step does not use the adapter (it need not wait for the copy)."""
         pages = [int(p) for p in pages]
         self.poll()
         m = self.manifest
@@ -301,11 +313,12 @@ class CudaPool:
             self.rt.copy_2d(self.base, c, staging.ptr, self.copy_stream)
         event = self.rt.event()
         self.rt.call("event_record", ctypes.c_void_p(event), ctypes.c_void_p(self.copy_stream))
-        self.tracker.begin(Load(adapter_id, tuple(pages), event, staging))
+        self.tracker.begin(Load(adapter_id, tuple(pages), event, staging, prefetch))
 
-    def wait_for(self, adapter_ids: Iterable[int] | None = None) -> None:
-        """Make the compute stream wait (on the GPU, not the host) for these uploads."""
-        for event in self.tracker.events_for(adapter_ids):
+    def wait_for_step(self) -> None:
+        """Make the compute stream wait (on the GPU, not the host) for the uploads the step
+        about to run may touch."""
+        for event in self.tracker.events_for_step():
             self.rt.call(
                 "stream_wait_event", ctypes.c_void_p(self.compute_stream), ctypes.c_void_p(event)
             )

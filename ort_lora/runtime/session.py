@@ -4,14 +4,12 @@ The paged pool is ONE numpy array [num_layers, 2 (K|V), num_pages, block_size, k
 head_dim], allocated once; every key_cache.{l} / value_cache.{l} input is bound once to a view
 of it (pool[l, 0] / pool[l, 1], C-contiguous, shared memory: the ops write KV and read adapter
 rows in place). Each step binds only the small metadata inputs and fetches the logits.
-
-`build_step_inputs` turns explicit per-sequence metadata (new token ids, past length, block
-table) into the graph's metadata inputs with "no LoRA" defaults, so tests and `--verify` run
-the model without an engine.
+The inputs come from a StepPlan (engine/model_runner.py); this module knows only the graph.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,22 +35,6 @@ class StepTiming:
         return self.bind_s + self.fetch_s
 
 
-@dataclass
-class SequenceStep:
-    """One sequence's share of a step: its new tokens, cached length and block table."""
-
-    token_ids: list[int]  # new tokens of this step (prefill chunk or one decode token)
-    past_len: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # pool pages of this sequence, in order
-    logits_rows: list[int] | None = None  # rows of token_ids to return; default: the last
-
-    def __post_init__(self):
-        if not self.token_ids:
-            raise ValueError("a sequence step needs at least one new token")
-        if self.past_len < 0:
-            raise ValueError(f"past_len must be >= 0, got {self.past_len}")
-
-
 def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
     """Zeros whose first element is `alignment`-byte aligned (as ORT's allocator would give):
     adapter rows in the pool then start on cache-line boundaries for the SGMV kernel.
@@ -66,49 +48,6 @@ def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndar
     raw.fill(0)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def build_step_inputs(manifest: C.ModelManifest, seqs: list[SequenceStep]) -> dict:
-    """The metadata inputs of one step for `seqs`, with LoRA disabled (one segment, slot -1).
-
-    Token i of sequence b sits at position past_len + i, in page
-    block_table[pos // block_size], row pos % block_size. The arrays are the engine's
-    (`build_metadata` of a plan whose entries are these sequences, all on the base model).
-    """
-    from ort_lora.engine.step_plan import BASE_SLOT, ScheduledSeq, build_metadata, make_plan
-
-    bs = manifest.block_size
-    entries = []
-    for b, s in enumerate(seqs):
-        last = s.past_len + len(s.token_ids) - 1
-        if last // bs >= len(s.block_table):
-            raise ValueError(
-                f"sequence {b}: position {last} needs {last // bs + 1} blocks of {bs}, "
-                f"its block table has {len(s.block_table)}"
-            )
-        rows = s.logits_rows if s.logits_rows is not None else [len(s.token_ids) - 1]
-        entries.append(
-            ScheduledSeq(str(b), tuple(s.token_ids), s.past_len, tuple(s.block_table), BASE_SLOT,
-                         tuple(rows), sample=False)
-        )  # fmt: skip
-    inputs = build_metadata(make_plan(entries, []), bs)
-    inputs.update(no_lora_inputs(manifest, sum(len(s.token_ids) for s in seqs)))
-    return inputs
-
-
-def no_lora_inputs(manifest: C.ModelManifest, num_tokens: int) -> dict:
-    """LoRA inputs that apply no adapter: one segment of all tokens in slot -1, and one
-    dummy slot of rank 0 for every target module."""
-    out = {
-        C.LORA_SEG_STARTS: np.asarray([0, num_tokens], dtype=np.int32),  # [S + 1]
-        C.LORA_SEG_SLOTS: np.asarray([-1], dtype=np.int32),  # [S]
-    }
-    for m in manifest.lora_targets:
-        out[C.lora_input_name(m, "a_offsets")] = np.zeros((1, 1), dtype=np.int64)
-        out[C.lora_input_name(m, "b_offsets")] = np.zeros((1, 1), dtype=np.int64)
-        out[C.lora_input_name(m, "ranks")] = np.zeros((manifest.num_layers, 1), dtype=np.int32)
-        out[C.lora_input_name(m, "scales")] = np.zeros((manifest.num_layers, 1), np.float32)
-    return out
 
 
 @dataclass
@@ -185,27 +124,28 @@ class ModelSession:
                 self.binding.bind_ortvalue_input(name, value)
                 self._pool_values.append(value)
 
-    def load_adapter(self, adapter_id: int, pages, write) -> None:
-        """Put an adapter into its pool pages; write(pages, pool) fills a host pool array.
+    def load_adapter(self, adapter_id: int, pages, write, prefetch: bool = False) -> None:
+        """Put an adapter into its pool pages before the next run; write(pages, pool) fills
+        a host pool array. prefetch: the next run does not use it (it may not wait for it).
 
-        CPU: write(pages, self.pool). CUDA: write into pinned staging, then an asynchronous
-        upload that the next step using adapter_id waits for (on the GPU).
+        CPU: write(pages, self.pool), synchronous. CUDA: write into pinned staging, then an
+        asynchronous upload; see CudaPool.wait_for_step for which uploads a run waits for.
         """
         if self.cuda_pool is None:
             write(pages, self.pool)
         else:
             staged_pages = list(range(len(pages)))  # staging is a pool of len(pages) pages
-            self.cuda_pool.load(adapter_id, pages, lambda staging: write(staged_pages, staging))
+            stage = functools.partial(write, staged_pages)  # stage(staging) fills the staging
+            self.cuda_pool.load(adapter_id, pages, stage, prefetch=prefetch)
 
-    def run(self, inputs: dict[str, np.ndarray], adapter_ids=None) -> np.ndarray:
+    def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """One step: bind the metadata inputs, run, return logits float32 [N, vocab].
 
-        adapter_ids: the adapters the step uses; on CUDA the step waits for their uploads
-        (None: for every upload in flight). Ignored on CPU, where loads are synchronous.
+        On CUDA the run first waits (on the GPU) for the adapter uploads it may touch.
         """
         t0 = time.perf_counter()
         if self.cuda_pool is not None:
-            self.cuda_pool.wait_for(adapter_ids)
+            self.cuda_pool.wait_for_step()
         keep = []
         for name, value in inputs.items():
             if name not in self._input_names:
@@ -223,7 +163,3 @@ class ModelSession:
         t3 = time.perf_counter()
         self.timing = StepTiming(bind_s=t1 - t0, run_s=t2 - t1, fetch_s=t3 - t2)
         return logits
-
-    def step(self, seqs: list[SequenceStep]) -> np.ndarray:
-        """run(build_step_inputs(...)) for explicit, LoRA-free sequence metadata."""
-        return self.run(build_step_inputs(self.manifest, seqs))

@@ -86,27 +86,6 @@ class OpenAIServing:
             self._templates[lora.lora_path] = template
         return self._templates[lora.lora_path]
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.engine.tokenizer.vocab_size
-        bad = [i for i in ids if i >= vocab]
-        if bad:
-            raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise bad_request("prompt is empty: it encodes to 0 tokens", "prompt")
-        return ids
-
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        limit = self.engine.max_model_len
-        if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
-            asked = prompt_len + (requested or 0)
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{asked} tokens ({prompt_len} in the prompt, {requested or 0} in the "
-                "completion). Please reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-        return requested if requested is not None else limit - prompt_len
-
     # -- engine calls ---------------------------------------------------------------------------
 
     async def _open(self, index, prompt_ids, params, lora, request_id, model) -> _Job:
@@ -123,8 +102,8 @@ class OpenAIServing:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
         except AdapterError as exc:  # registered, but its files no longer load
             raise adapter_load_failed(exc) from exc
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+        except ValueError as exc:  # the engine's check of the request (RequestError)
+            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         return _Job(index, request_id, prompt_ids, first, agen, timer)
 
     async def _open_all(self, raw, prompts, params, lora, request_id, model) -> list[_Job]:
@@ -180,10 +159,8 @@ class OpenAIServing:
             raise bad_request("echo together with logprobs is not supported", "echo")
         lora = await self.resolve_model(req.model)
         tok = self.engine.tokenizer
-        prompts = [
-            self._check_ids(tok.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts()
-        ]
-        params = [_sampling(req, self._max_tokens(req.max_tokens, len(p))) for p in prompts]
+        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        params = [_sampling(req, req.max_tokens) for _ in prompts]
         model = req.model or self.base_name
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = await self._open_all(raw, prompts, params, lora, request_id, model)
@@ -209,9 +186,8 @@ class OpenAIServing:
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
-        prompt = self._check_ids(tok.encode(text, add_special_tokens=False))
-        max_tokens = self._max_tokens(req.requested_max_tokens(), len(prompt))
-        params = [_sampling(req, max_tokens)]
+        prompt = tok.encode(text, add_special_tokens=False)
+        params = [_sampling(req, req.requested_max_tokens())]
         model = req.model or self.base_name
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self._open_all(raw, [prompt], params, lora, request_id, model)
@@ -227,8 +203,9 @@ class OpenAIServing:
         return self.engine.tokenizer.decode([tid])
 
 
-def _sampling(req, max_tokens: int):
-    """The request's SamplingParams; their validation errors are 400s."""
+def _sampling(req, max_tokens: int | None):
+    """The request's SamplingParams (max_tokens None: what the context leaves); their
+    validation errors are 400s. The engine checks the prompt and the lengths."""
     try:
         return req.sampling_params(max_tokens)
     except ValueError as exc:

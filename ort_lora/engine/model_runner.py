@@ -1,0 +1,53 @@
+"""ModelRunner: one StepPlan through the model. Adapters the plan places are copied into their
+pool pages, the plan becomes the graph's inputs (ort_lora/contract.py), ONNX Runtime runs.
+
+    runner = ModelRunner(session, registry)
+    failed = runner.load_adapters(plan)   # {adapter id: error} for files that no longer load
+    logits = runner.run(plan)             # [plan.num_logit_rows, vocab]
+
+The engine drives it with the scheduler's plans; export --verify and tests with hand-made
+ones (step_plan.base_plan) and no registry (no adapters): the same path either way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ort_lora.adapters import AdapterError, AdapterRegistry
+from ort_lora.engine.step_plan import MetadataBuffers, StepPlan, build_metadata
+from ort_lora.engine.timing import RUN, StepTimes
+
+
+class ModelRunner:
+    """A ModelSession (runtime/session.py) and the adapter registry that fills its pool."""
+
+    def __init__(self, session, registry: AdapterRegistry | None = None):
+        self.session = session
+        self.registry = AdapterRegistry(session.manifest) if registry is None else registry
+        self.block_size = session.manifest.block_size
+        self.buffers = MetadataBuffers()
+
+    def load_adapters(self, plan: StepPlan) -> dict[int, Exception]:
+        """Copy the plan's loads (used by this step) and prefetches (not used by it) into
+        their pages; {adapter id: error} for adapters whose files fail to load."""
+        failed: dict[int, Exception] = {}
+        todo = [(a, False) for a in plan.loads] + [(a, True) for a in plan.prefetch]
+        for a, prefetch in todo:
+            write = functools.partial(self.registry.write_to_pool, a.adapter_id)
+            try:
+                self.session.load_adapter(a.adapter_id, a.pages, write, prefetch=prefetch)
+            except (AdapterError, OSError) as e:
+                failed[a.adapter_id] = e
+        return failed
+
+    def run(self, plan: StepPlan, times: StepTimes | None = None) -> np.ndarray:
+        """Logits of the plan's logit rows [plan.num_logit_rows, vocab]; `times` gets the
+        "inputs" (host) and "run" (ONNX Runtime) phases."""
+        times = times or StepTimes()
+        with times.phase("inputs"):
+            inputs = build_metadata(plan, self.block_size, buffers=self.buffers)
+            inputs.update(self.registry.lora_step_inputs(plan.lora_slots, self.session.num_pages))
+        with times.phase(RUN):
+            return self.session.run(inputs)

@@ -1,0 +1,45 @@
+"""StepTimes: where one engine step's time went, phase by phase (for /metrics and the benchmark's
+host share). `with times.phase("run"): ...` adds the block's wall time to that phase."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+RUN = "run"  # ONNX Runtime's run; every other phase is host work
+
+
+@dataclass
+class StepTimes:
+    """Seconds per phase of one step (schedule, load, inputs, run, sample, postprocess)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self.phases, name)
+
+    @property
+    def run_s(self) -> float:
+        return self.phases.get(RUN, 0.0)
+
+    @property
+    def host_s(self) -> float:
+        return sum(s for name, s in self.phases.items() if name != RUN)
+
+
+class _Phase:
+    """`with times.phase(name):` (a class, not @contextmanager: six per step, on the hot path)."""
+
+    __slots__ = ("phases", "name", "start")
+
+    def __init__(self, phases: dict[str, float], name: str):
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        elapsed = time.perf_counter() - self.start
+        self.phases[self.name] = self.phases.get(self.name, 0.0) + elapsed
