@@ -41,6 +41,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 import ort_lora  # noqa: E402
+from ort_lora.bench.cli import cpu_name  # noqa: E402
 from ort_lora.ops.lora_sgmv_ref import (  # noqa: E402
     ADAPTER_DTYPES,
     lora_sgmv,
@@ -322,10 +323,8 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
 
 
 def machine_info() -> dict:
-    with open("/proc/cpuinfo") as f:
-        models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
     return {
-        "cpu": models[0] if models else platform.processor(), "threads": THREADS,
+        "cpu": cpu_name(), "threads": THREADS,
         "load_average_after": os.getloadavg(), "python": platform.python_version(),
         "onnxruntime": ort.__version__, "numpy": np.__version__,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),

@@ -171,7 +171,7 @@ def _meta(args, argv, built: dict, notes: list[str]) -> dict:
         "command": "ort-lora bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}",
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
         "numpy": np.__version__,
@@ -183,7 +183,8 @@ def _meta(args, argv, built: dict, notes: list[str]) -> dict:
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model (/proc/cpuinfo), as benchmark results record it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
