@@ -63,12 +63,14 @@ def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RA
     return {"meta": meta, "x": x, "y": y, "placed": placed, "layer": layer}
 
 
-def run_case(emu: EmuLibrary, dtype: str, case: dict) -> tuple[np.ndarray, np.ndarray, list]:
+def run_case(
+    emu: EmuLibrary, dtype: str, case: dict, stream: int | None = None
+) -> tuple[np.ndarray, np.ndarray, list]:
     """(got, want) float32 [T, out] and the 16-bit inputs (y, x, key, value)."""
     placed = case["placed"]
     inputs = [to_storage(a, dtype) for a in (case["y"], case["x"])]
     inputs += [to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)]
-    got = from_storage(emu.sgmv(dtype, *inputs, case["meta"], case["layer"]), dtype)
+    got = from_storage(emu.sgmv(dtype, *inputs, case["meta"], case["layer"], stream), dtype)
     f = [from_storage(a, dtype) for a in inputs]  # the rounded inputs, as the kernel sees them
     want = lora_sgmv(*f, *case["meta"].values(), layer=case["layer"])
     return got, want, inputs
@@ -168,8 +170,127 @@ def test_invalid_metadata_is_a_clear_error(emu, name, corrupt, message):
 def test_bad_dtype_is_a_clear_error(emu):
     i64, null = ctypes.c_int64(0), ctypes.c_void_p()
     args = [null] * 5 + [i64, null, null, i64, null, null, i64, i64, null, null] + [i64] * 5
-    rc = emu.lib.ort_lora_emu_sgmv(ctypes.c_int(2), *args)
+    rc = emu.lib.ort_lora_emu_sgmv(ctypes.c_int(2), *args, null)
     assert rc == -1 and emu.error(rc) == "dtype must be 0 (float16) or 1 (bfloat16), got 2"
+
+
+# --- the host run (sgmv_run.cc) over the emulated runtime: streams, uploads, scratch ----------
+
+MODULES = {"q_proj": (72, 40), "v_proj": (72, 24), "down_proj": (100, 72)}  # (in, out)
+STEP_LAYERS = 3
+
+
+def step_cases(rng, lengths: list[int]) -> dict:
+    """One step's LoraSGMV calls: per module (in, out) its own adapters and tables, the same for
+    every layer; per layer its own pool values (the module's rows scaled by 1 + layer, NaN
+    elsewhere) and its own ranks (slot 2, segment 2, has rank 0 at layer 1) and scales.
+    lengths: at least 3 segments, the third with rows."""
+    slot_ranks = [5, 16, 3]
+    slots = np.asarray([(0, 1, 2, -1)[i % 4] for i in range(len(lengths))], np.int32)
+    cases = {}
+    for name, (in_f, out_f) in MODULES.items():
+        placed = place_random_adapters(rng, slot_ranks, in_f, out_f)
+        ranks = np.tile(np.asarray(slot_ranks, np.int32), (STEP_LAYERS, 1))
+        ranks[1, 2] = 0
+        meta = {
+            "seg_starts": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+            "seg_slots": slots,
+            "a_offsets": placed.a_offsets,
+            "b_offsets": placed.b_offsets,
+            "ranks": ranks,
+            "scales": rng.uniform(0.5, 2.0, (STEP_LAYERS, 3)).astype(np.float32),
+        }
+        pools = [(placed.key_cache * (1 + i), placed.value_cache * (1 + i)) for i in range(3)]
+        rows = sum(lengths)
+        x = rng.standard_normal((rows, in_f)).astype(np.float32)
+        y = rng.standard_normal((rows, out_f)).astype(np.float32)
+        cases[name] = {"meta": meta, "pools": pools, "x": x, "y": y}
+    return cases
+
+
+def run_step(emu, cases: dict, stream: int, in_place_layer: int = 1) -> None:
+    """Every (layer, module) call of a step on `stream`, each checked against the reference;
+    the calls of layer `in_place_layer` pass y as y_out."""
+    for layer in range(STEP_LAYERS):
+        for c in cases.values():
+            key, value = c["pools"][layer]
+            inputs = [to_storage(a, "float16") for a in (c["y"], c["x"], key, value)]
+            got = emu.sgmv("float16", *inputs, c["meta"], layer, stream=stream,
+                           in_place=layer == in_place_layer)  # fmt: skip
+            f = [from_storage(a, "float16") for a in inputs]
+            want = lora_sgmv(*f, *c["meta"].values(), layer=layer)
+            atol = TOLERANCE["float16"] * np.abs(want).max()
+            np.testing.assert_allclose(from_storage(got, "float16"), want, rtol=0, atol=atol)
+
+
+def stats_delta(emu, before: dict) -> dict:
+    return {k: v - before[k] for k, v in emu.sgmv_stats().items()}
+
+
+def test_a_step_uploads_each_module_plan_once(emu):
+    """Every layer of one module in one step reuses the plan uploaded by the first: one upload
+    per module and step, each layer's own pool, ranks and scales still applied (results checked
+    per call). In-place calls (y_out is y) copy nothing. Two steps fit the stream's plan slots:
+    no upload waits for an earlier copy (events here stay pending until synchronized)."""
+    rng = np.random.default_rng(21)
+    stream = 0x7A000
+    emu.runtime_reset(pending_events=True)
+    before = emu.sgmv_stats()
+    run_step(emu, step_cases(rng, [3, 1, 18, 0, 2]), stream)
+    step = stats_delta(emu, before)
+    calls = len(MODULES) * STEP_LAYERS
+    assert step == {"uploads": len(MODULES), "reused": calls - len(MODULES), "host_waits": 0,
+                    "y_copies": calls - len(MODULES)}  # fmt: skip
+    assert emu.calls("cudaMemcpyAsync H2D", stream) == len(MODULES)
+    assert emu.calls("cudaMemcpyAsync D2D", stream) == calls - len(MODULES)
+    run_step(emu, step_cases(rng, [1, 1, 1, 2, 1]), stream)  # the next step: new tables
+    two = stats_delta(emu, before)
+    assert two["uploads"] == 2 * len(MODULES) and two["host_waits"] == 0
+    emu.release(stream)
+
+
+def test_scratch_and_uploads_stay_on_the_callers_stream_and_are_freed(emu):
+    """The plan uploads and the v scratch are allocated and queued on the call's stream
+    (stream-ordered: cudaMallocAsync / cudaFreeAsync, no ORT allocator, no other stream);
+    releasing the stream frees all of it: device memory, pinned slots and events."""
+    rng = np.random.default_rng(22)
+    stream = 0x7B000
+    live = emu.live()
+    emu.runtime_reset()
+    run_step(emu, step_cases(rng, [20, 1, 3]), stream)
+    for call in ("cudaMallocAsync", "cudaMemcpyAsync H2D", "cudaMemcpyAsync D2D",
+                 "cudaEventRecord"):  # fmt: skip
+        assert emu.calls(call) == emu.calls(call, stream) > 0, call
+    assert emu.live() != live
+    emu.release(stream)
+    assert emu.calls("cudaStreamSynchronize", stream) == 1
+    assert emu.calls("cudaFreeAsync") == emu.calls("cudaFreeAsync", stream) > 0
+    assert emu.live() == live
+    emu.release(stream)  # a stream with nothing kept: no-op
+
+
+def test_a_reused_slot_waits_only_for_its_own_copy(emu):
+    """More distinct plans than the stream keeps (16): the 17th upload takes the oldest slot,
+    and only then does the host wait, for that slot's copy; every result stays right."""
+    rng = np.random.default_rng(23)
+    stream = 0x7C000
+    emu.runtime_reset(pending_events=True)
+    before = emu.sgmv_stats()
+    for i in range(17):
+        case = make_case(rng, [2, 17, 1], in_f=24, out_f=40, slot_ranks=[3, 4 + i % 5])
+        case["meta"]["seg_slots"] = np.asarray([0, 1, -1], np.int32)
+        got, want, _ = run_case(emu, "float16", case, stream=stream)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+        assert stats_delta(emu, before)["host_waits"] == (i == 16)
+    assert stats_delta(emu, before)["uploads"] == 17
+    emu.release(stream)
+
+
+def test_a_null_stream_is_refused(emu):
+    """The legacy default stream is not ordered with ORT's compute stream: refused, by name."""
+    case = make_case(np.random.default_rng(24), [2, 1], in_f=16, out_f=16)
+    with pytest.raises(ValueError, match="the CUDA stream is null"):
+        run_case(emu, "float16", case, stream=0)
 
 
 # --- the emulator itself ---------------------------------------------------------------------

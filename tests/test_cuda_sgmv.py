@@ -15,7 +15,13 @@ import pytest
 
 from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
 from ort_lora.runtime.cuda_pool import CudaError, CudaPool, CudaRuntime
-from ort_lora.runtime.cuda_sgmv import from_storage, lora_sgmv_numpy, lora_sgmv_ptrs, to_storage
+from ort_lora.runtime.cuda_sgmv import (
+    from_storage,
+    lora_sgmv_numpy,
+    lora_sgmv_ptrs,
+    sgmv_stats,
+    to_storage,
+)
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}  # relative to the output's scale
 
@@ -50,7 +56,45 @@ def segments(layout: str, num_slots: int, rng) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("ranks", [[8], [4, 16, 64], [1, 33, 128]])
 @pytest.mark.parametrize("layout", ["distinct", "uniform", "skewed", "identical"])
 def test_kernel_matches_reference(dtype, ranks, layout):
+    check_against_reference(runtime_or_skip(need_device=True), dtype, ranks, layout)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_in_place_matches_reference(dtype):
+    """y_out is y's buffer (ORT may run the op in place): no copy, the same result."""
     rt = runtime_or_skip(need_device=True)
+    before = sgmv_stats(rt)
+    check_against_reference(rt, dtype, [4, 16, 64], "skewed", in_place=True)
+    assert sgmv_stats(rt)["y_copies"] == before["y_copies"]
+
+
+def test_every_layer_of_a_step_reuses_the_modules_upload():
+    """The device side of test_cuda_emu.py::test_a_step_uploads_each_module_plan_once: one
+    upload per module and step on one stream, each layer's own pool, ranks and scales."""
+    rt = runtime_or_skip(need_device=True)
+    from test_cuda_emu import MODULES, STEP_LAYERS, step_cases
+
+    cases, stream = step_cases(np.random.default_rng(31), [3, 1, 18, 0, 2]), rt.stream()
+    before = sgmv_stats(rt)
+    try:
+        for layer in range(STEP_LAYERS):
+            for c in cases.values():
+                key, value = c["pools"][layer]
+                inputs = [to_storage(a, "float16") for a in (c["y"], c["x"], key, value)]
+                got = lora_sgmv_numpy(rt, "float16", *inputs, c["meta"], layer, stream=stream)
+                want = lora_sgmv(*[from_storage(a, "float16") for a in inputs],
+                                 *c["meta"].values(), layer=layer)  # fmt: skip
+                atol = TOLERANCE["float16"] * np.abs(want).max()
+                np.testing.assert_allclose(from_storage(got, "float16"), want, rtol=0, atol=atol)
+    finally:
+        rt.call("sgmv_release_stream", ctypes.c_void_p(stream))
+        rt.call("stream_destroy", ctypes.c_void_p(stream))
+    after = sgmv_stats(rt)
+    assert after["uploads"] - before["uploads"] == len(MODULES)
+    assert after["reused"] - before["reused"] == len(MODULES) * (STEP_LAYERS - 1)
+
+
+def check_against_reference(rt, dtype: str, ranks: list[int], layout: str, in_place=False):
     rng = np.random.default_rng(zlib.crc32(repr((dtype, ranks, layout)).encode()))
     in_f, out_f, layer = 200, 328, 1
     placed = place_random_adapters(rng, ranks, in_f, out_f)
@@ -67,7 +111,8 @@ def test_kernel_matches_reference(dtype, ranks, layout):
     x = to_storage(rng.standard_normal((rows, in_f)).astype(np.float32), dtype)
     y = to_storage(rng.standard_normal((rows, out_f)).astype(np.float32), dtype)
     key, value = to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)
-    got = from_storage(lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer), dtype)
+    got = lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer, in_place=in_place)
+    got = from_storage(got, dtype)
     f = [from_storage(a, dtype) for a in (y, x, key, value)]
     want = lora_sgmv(*f, *meta.values(), layer=layer)
     assert np.isfinite(got).all(), "the kernel read pool elements outside the adapter rows"
@@ -117,4 +162,24 @@ def test_unknown_dtype_is_refused_before_any_cuda_call():
     msg = rt.lib.ort_lora_cuda_error_string(-1).decode()
     assert msg == "dtype must be 0 (float16) or 1 (bfloat16), got 7"
     with pytest.raises(ValueError, match="dtype must be float16 or bfloat16, got 'float32'"):
-        lora_sgmv_ptrs(rt, "float32", 0, 0, 0, 0, 0, 0, {}, 0, 1, 1, 1)
+        lora_sgmv_ptrs(rt, "float32", 0, 0, 0, 0, 0, 0, {}, 0, 1, 1, 1, stream=1)
+
+
+def test_a_null_stream_is_refused_before_any_cuda_call():
+    """Needs no device: the metadata is checked on the host (pool addresses are only added to,
+    never read), then the null stream is refused before the first CUDA call."""
+    rt = runtime_or_skip(need_device=False)
+    rng = np.random.default_rng(6)
+    placed = place_random_adapters(rng, [4], 64, 64)
+    meta = {
+        "seg_starts": np.array([0, 3], np.int32),
+        "seg_slots": np.array([0], np.int32),
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": np.array([[4]], np.int32),
+        "scales": np.array([[1.0]], np.float32),
+    }
+    half = placed.key_cache.size
+    with pytest.raises(ValueError, match="the CUDA stream is null: LoraSGMV.CUDA. runs only on"):
+        lora_sgmv_ptrs(rt, "float16", 1 << 20, 2 << 20, 3 << 20, 4 << 30, 4 << 30 + 2 * half,
+                       half, meta, 0, 3, 64, 64, stream=0)  # fmt: skip

@@ -2,8 +2,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <memory>
-
 #include "cuda/sgmv_plan.h"
 #include "lora_sgmv/lora_sgmv_inputs.h"
 
@@ -18,26 +16,6 @@ constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 ONNXTensorElementDataType ToOnnx(SgmvDtype dtype) {
   return dtype == SgmvDtype::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
-}
-
-// Device scratch from the session's CUDA allocator, returned to it when Compute ends. The
-// allocator handle KernelContext_GetAllocator gives out is a new wrapper object owned by the
-// caller (ORT's C API: release it with ReleaseAllocator), so it is released here too.
-struct Scratch {
-  OrtAllocator* allocator = nullptr;
-  void* ptr = nullptr;
-  ~Scratch() {
-    if (ptr != nullptr) allocator->Free(allocator, ptr);
-    if (allocator != nullptr) Ort::GetApi().ReleaseAllocator(allocator);
-  }
-};
-
-void AllocScratch(const Ort::KernelContext& ctx, int device, size_t bytes, Scratch& s) {
-  Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-  s.allocator = ctx.GetAllocator(*info);
-  if (s.allocator == nullptr) Fail("no CUDA allocator for device ", device, " in this session");
-  s.ptr = s.allocator->Alloc(s.allocator, bytes);
-  if (s.ptr == nullptr) Fail("could not allocate ", bytes, " bytes of CUDA scratch");
 }
 
 }  // namespace
@@ -61,23 +39,30 @@ OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
 void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
-  const SgmvPlan plan =
-      BuildSgmvPlan(ReadSgmvMetadata(in, layer_), ReadSgmvPool(in, 2, /*bf16_rows=*/false));
+  const SgmvPool pool = ReadSgmvPool(in, 2, /*bf16_rows=*/false);
+  const SgmvPlan plan = BuildSgmvPlan(ReadSgmvMetadata(in, layer_), pool);
   auto y_out = ctx.GetOutput(0, in.y.shape);
-  const int64_t num_rows = in.y.shape[0];
+  // RunLoraSgmv refuses a null stream (InputError naming it).
   auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-  Scratch scratch;
-  if (!plan.tiles.empty()) {
-    const int device = in.x.value.GetTensorMemoryInfo().GetDeviceId();
-    AllocScratch(ctx, device, plan.ScratchBytes(num_rows), scratch);
+  try {
+    RunLoraSgmv(dtype_, plan, pool, in.x.value.GetTensorRawData(), in.y.value.GetTensorRawData(),
+                y_out.GetTensorMutableRawData(), stream);
+  } catch (const CudaCallError& e) {
+    throw Ort::Exception(e.what(), ORT_EP_FAIL);
   }
-  const cudaError_t err = RunLoraSgmv(
-      dtype_, plan, in.x.value.GetTensorRawData(), in.y.value.GetTensorRawData(),
-      y_out.GetTensorMutableRawData(), num_rows, in.x.shape[1], in.y.shape[1], scratch.ptr, stream);
-  if (err != cudaSuccess)
-    throw Ort::Exception(
-        std::string("CUDA error ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err),
-        ORT_EP_FAIL);
+}
+
+LoraSgmvCudaOp::LoraSgmvCudaOp(SgmvDtype dtype) : dtype_(dtype) {
+  // y_out may reuse y's buffer (the MatMul output, read by nothing else); ORT decides.
+  OrtCustomOp::GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+    *input_index = new int[1]{kY};
+    *output_index = new int[1]{0};
+    return 1;
+  };
+  OrtCustomOp::ReleaseMayInplace = [](int* input_index, int* output_index) {
+    delete[] input_index;
+    delete[] output_index;
+  };
 }
 
 OrtStatusPtr LoraSgmvCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info,

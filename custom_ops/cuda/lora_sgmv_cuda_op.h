@@ -12,10 +12,12 @@
 // Metadata choice: inputs 4..9 are declared OrtMemTypeCPUInput, so ORT hands them over in host
 // memory (graph inputs bound on the CPU are used as they are). The kernel validates them on the
 // host exactly like the CPU op (a bad offset is an error, never an out-of-bounds read), builds
-// a compact plan of row tiles and pool row pointers (cuda/sgmv_plan.h), uploads it through a
-// pinned ring into scratch from ORT's CUDA allocator, and launches on ORT's compute stream.
-// Scratch is freed at the end of Compute: ORT's arena is stream-ordered, so the memory is only
-// handed to work queued behind these kernels. Limits: rank <= 512, T < 2^31.
+// a plan of row tiles plus the step's tables (cuda/sgmv_plan.h) and runs it on ORT's compute
+// stream (RunLoraSgmv): the plan is uploaded once per step and module and reused by every layer,
+// and the v scratch is the stream's own, grown stream-ordered (cudaMallocAsync on that stream),
+// so no ORT allocator is involved. A null compute stream is an error, never the legacy default
+// stream. Output 0 may reuse input 0's buffer (MayInplace): ORT then skips the y -> y_out copy.
+// Limits: rank <= 512, T < 2^31.
 #pragma once
 
 #include "common/ort_common.h"
@@ -34,7 +36,7 @@ struct LoraSgmvCudaKernel {
 };
 
 struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, true> {
-  explicit LoraSgmvCudaOp(SgmvDtype dtype) : dtype_(dtype) {}
+  explicit LoraSgmvCudaOp(SgmvDtype dtype);
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }

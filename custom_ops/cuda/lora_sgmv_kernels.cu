@@ -38,16 +38,32 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// grid (num_sgmv_tiles, ceil(max_rank / 16)); thread (i, j) computes v[row i, rank j0 + j].
+// A row of the layer's pool share at pool element `offset` (validated on the host).
+template <typename T>
+__device__ __forceinline__ const T* PoolRow(const SgmvArgs& a, int64_t offset) {
+  return offset < a.half ? static_cast<const T*>(a.key_cache) + offset
+                         : static_cast<const T*>(a.value_cache) + (offset - a.half);
+}
+
+__device__ __forceinline__ int TileRank(const SgmvArgs& a, const SgmvTile& t) {
+  return a.ranks[static_cast<int64_t>(a.layer) * a.num_slots + t.slot];
+}
+
+__device__ __forceinline__ float TileScale(const SgmvArgs& a, const SgmvTile& t) {
+  return a.scales[static_cast<int64_t>(a.layer) * a.num_slots + t.slot];
+}
+
+// grid (num_sgmv_tiles, ceil(v_stride / 16)); thread (i, j) computes v[row i, rank j0 + j].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ShrinkSgmv(SgmvArgs a) {
   const SgmvTile tile = a.tiles[blockIdx.x];
+  const int rank = TileRank(a, tile);
   const int j0 = blockIdx.y * kShrinkRanks;
-  if (j0 >= tile.rank) return;                 // the whole block leaves: no barrier is skipped
+  if (j0 >= rank) return;                      // the whole block leaves: no barrier is skipped
   __shared__ float xs[kTileRows][kChunk + 1];  // +1: no bank conflicts reading as[j][k]
   __shared__ float as[kShrinkRanks][kChunk + 1];
   const T* x = static_cast<const T*>(a.x);
-  const T* const* a_rows = reinterpret_cast<const T* const*>(a.row_ptrs) + tile.rows_index;
+  const int64_t* a_off = a.a_offsets + static_cast<int64_t>(tile.slot) * a.max_rank;
   const int i = threadIdx.x / kShrinkRanks, j = threadIdx.x % kShrinkRanks;
   float acc = 0.f;
   for (int64_t k0 = 0; k0 < a.in_features; k0 += kChunk) {
@@ -56,25 +72,25 @@ __global__ void __launch_bounds__(kThreads) ShrinkSgmv(SgmvArgs a) {
       const bool col = k0 + k < a.in_features;
       const int64_t row = tile.row_begin + r;
       xs[r][k] = (r < tile.num_rows && col) ? ToFloat(x[row * a.in_features + k0 + k]) : 0.f;
-      as[r][k] = (j0 + r < tile.rank && col) ? ToFloat(a_rows[j0 + r][k0 + k]) : 0.f;
+      as[r][k] = (j0 + r < rank && col) ? ToFloat(PoolRow<T>(a, a_off[j0 + r])[k0 + k]) : 0.f;
     }
     __syncthreads();
 #pragma unroll 16
     for (int k = 0; k < kChunk; ++k) acc += xs[i][k] * as[j][k];
     __syncthreads();
   }
-  if (i < tile.num_rows && j0 + j < tile.rank)
+  if (i < tile.num_rows && j0 + j < rank)
     a.v[static_cast<int64_t>(tile.row_begin + i) * a.v_stride + j0 + j] = acc;
 }
 
-// grid (num_bgmv_tiles, ceil(max_rank / 8)); warp w computes v[rows of the tile, rank j].
+// grid (num_bgmv_tiles, ceil(v_stride / 8)); warp w computes v[rows of the tile, rank j].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ShrinkBgmv(SgmvArgs a) {
   const SgmvTile tile = a.tiles[a.num_sgmv_tiles + blockIdx.x];
   const int j = blockIdx.y * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (j >= tile.rank) return;  // no barriers in this kernel
+  if (j >= TileRank(a, tile)) return;  // no barriers in this kernel
   const T* x = static_cast<const T*>(a.x);
-  const T* a_row = reinterpret_cast<const T* const*>(a.row_ptrs)[tile.rows_index + j];
+  const T* a_row = PoolRow<T>(a, a.a_offsets[static_cast<int64_t>(tile.slot) * a.max_rank + j]);
   float acc[kBgmvMaxRows] = {};
   for (int64_t k = lane; k < a.in_features; k += 32) {
     const float w = ToFloat(a_row[k]);
@@ -96,29 +112,31 @@ __global__ void __launch_bounds__(kThreads) ShrinkBgmv(SgmvArgs a) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ExpandTiles(SgmvArgs a) {
   const SgmvTile tile = a.tiles[blockIdx.x];
+  const int rank = TileRank(a, tile);
+  if (rank == 0) return;                         // the whole block leaves: no barrier is skipped
   __shared__ float vs[kTileRows][kMaxCudaRank];  // 32 KiB
-  for (int e = threadIdx.x; e < kTileRows * tile.rank; e += kThreads) {
-    const int r = e / tile.rank, j = e % tile.rank;
+  for (int e = threadIdx.x; e < kTileRows * rank; e += kThreads) {
+    const int r = e / rank, j = e % rank;
     vs[r][j] =
         r < tile.num_rows ? a.v[static_cast<int64_t>(tile.row_begin + r) * a.v_stride + j] : 0.f;
   }
   __syncthreads();
   const int64_t o = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
   if (o >= a.out_features) return;
-  const T* const* bt_rows =
-      reinterpret_cast<const T* const*>(a.row_ptrs) + tile.rows_index + tile.rank;
+  const int64_t* b_off = a.b_offsets + static_cast<int64_t>(tile.slot) * a.max_rank;
   float acc[kTileRows] = {};
-  for (int j = 0; j < tile.rank; ++j) {
-    const float b = ToFloat(bt_rows[j][o]);
+  for (int j = 0; j < rank; ++j) {
+    const float b = ToFloat(PoolRow<T>(a, b_off[j])[o]);
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) acc[r] += vs[r][j] * b;
   }
   T* y = static_cast<T*>(a.y_out);
+  const float scale = TileScale(a, tile);
 #pragma unroll  // constant indices keep acc in registers
   for (int r = 0; r < kTileRows; ++r) {
     if (r >= tile.num_rows) break;
     T& out = y[static_cast<int64_t>(tile.row_begin + r) * a.out_features + o];
-    out = FromFloat<T>(ToFloat(out) + tile.scale * acc[r]);
+    out = FromFloat<T>(ToFloat(out) + scale * acc[r]);
   }
 }
 
@@ -127,12 +145,12 @@ unsigned Blocks(int64_t n, int64_t per) { return static_cast<unsigned>((n + per 
 template <typename T>
 cudaError_t Launch(const SgmvArgs& a, cudaStream_t stream) {
   if (a.num_sgmv_tiles > 0) {
-    ORT_LORA_LAUNCH(ShrinkSgmv<T>, dim3(a.num_sgmv_tiles, Blocks(a.max_rank, kShrinkRanks)),
+    ORT_LORA_LAUNCH(ShrinkSgmv<T>, dim3(a.num_sgmv_tiles, Blocks(a.v_stride, kShrinkRanks)),
                     kThreads, stream, a);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (a.num_bgmv_tiles > 0) {
-    ORT_LORA_LAUNCH(ShrinkBgmv<T>, dim3(a.num_bgmv_tiles, Blocks(a.max_rank, kWarps)), kThreads,
+    ORT_LORA_LAUNCH(ShrinkBgmv<T>, dim3(a.num_bgmv_tiles, Blocks(a.v_stride, kWarps)), kThreads,
                     stream, a);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }

@@ -1,6 +1,11 @@
 // LoraSGMV CUDA launcher (float16 / bfloat16, float32 accumulation). No ONNX Runtime types:
-// the op (lora_sgmv_cuda_op.cc) and the C test entry (cuda_runtime_c.cc) build an SgmvPlan on
-// the host (sgmv_plan.h), upload it, and call LaunchLoraSgmv on a stream.
+// the op (lora_sgmv_cuda_op.cc) and the C entries (cuda_runtime_c.cc, emu/) build an SgmvPlan on
+// the host (sgmv_plan.h), upload it, and call LaunchLoraSgmv on a stream (RunLoraSgmv).
+//
+// The plan on the device is the same for every layer of one module in one step: row tiles (a
+// segment's adapter slot, no rank or pointer) and the step's tables (a/b_offsets, ranks, scales).
+// A launch adds the layer: the kernels read rank and scale at [layer, slot] and resolve a row's
+// pool offset o to key_cache + o (o < half) or value_cache + (o - half) of that layer.
 //
 // Punica-style split in two passes over row tiles (<= kTileRows rows of ONE segment each):
 //   shrink  v[t, j]  = x[t] . A_j                      float32 scratch [num_rows, v_stride]
@@ -10,7 +15,8 @@
 //   expand  y_out[t] += scale * sum_j v[t, j] Bt_j   one block per (tile, 256 outputs); each
 //             thread owns one output column and all rows of the tile, so every Bt element is
 //             read once per tile (for a one-row tile this is a gather matrix-vector product).
-// y_out must already hold y (RunLoraSgmv copies it first). Ranks may differ between tiles.
+// y_out must already hold y (RunLoraSgmv copies it first unless y_out is y). A tile whose slot
+// has rank 0 at the layer does nothing; ranks may differ between tiles.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,27 +31,34 @@ constexpr int kMaxCudaRank = 512;  // the expand kernel keeps v[kTileRows, rank]
 
 enum class SgmvDtype : int { kFloat16 = 0, kBFloat16 = 1 };
 
-// One tile: rows [row_begin, row_begin + num_rows) of one segment, and its adapter.
+// One tile: rows [row_begin, row_begin + num_rows) of one segment, and the segment's slot.
 struct SgmvTile {
   int32_t row_begin;
-  int32_t num_rows;    // 1..kTileRows
-  int32_t rank;        // 1..kMaxCudaRank
-  int32_t rows_index;  // A row pointers at row_ptrs[rows_index, + rank), B^T rows after them
-  float scale;
+  int32_t num_rows;  // 1..kTileRows
+  int32_t slot;      // 0..num_slots-1; rank and scale at [layer, slot] of the plan's tables
 };
 
-// Device pointers of one launch. tiles[0, num_sgmv_tiles) take the SGMV shrink, the rest
-// (num_bgmv_tiles) the BGMV shrink; the expand covers all of them.
+// One launch: device pointers, the layer's pool share, and the dims of the plan's tables.
+// tiles[0, num_sgmv_tiles) take the SGMV shrink, the rest (num_bgmv_tiles) the BGMV shrink;
+// the expand covers all of them.
 struct SgmvArgs {
-  const void* x;                // T [num_rows, in]
-  void* y_out;                  // T [num_rows, out], holds y on entry
-  float* v;                     // float [num_rows, v_stride] scratch
-  const SgmvTile* tiles;        // [num_sgmv_tiles + num_bgmv_tiles]
-  const void* const* row_ptrs;  // rows of A (in elements) and B^T (out elements) in the pool
+  const void* x;            // T [num_rows, in]
+  void* y_out;              // T [num_rows, out], holds y on entry
+  float* v;                 // float [num_rows, v_stride] scratch
+  const void* key_cache;    // T: pool elements [0, half) of the layer
+  const void* value_cache;  // T: pool elements [half, 2 half)
+  int64_t half;
+  const SgmvTile* tiles;     // [num_sgmv_tiles + num_bgmv_tiles]          (the plan)
+  const int64_t* a_offsets;  // [num_slots, max_rank] pool element of A row j
+  const int64_t* b_offsets;  // [num_slots, max_rank] pool element of B^T row j
+  const int32_t* ranks;      // [num_layers, num_slots]
+  const float* scales;       // [num_layers, num_slots]
   int64_t in_features;
   int64_t out_features;
-  int32_t v_stride;  // >= the largest rank of any tile
-  int32_t max_rank;  // the largest rank of any tile
+  int32_t layer;
+  int32_t num_slots;
+  int32_t max_rank;  // a_offsets.shape[1]
+  int32_t v_stride;  // >= the rank at `layer` of every tile's slot (sizes the shrink grids)
   int32_t num_sgmv_tiles;
   int32_t num_bgmv_tiles;
 };

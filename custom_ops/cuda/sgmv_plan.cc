@@ -1,5 +1,5 @@
 // Host part of the CUDA LoraSGMV: validation, plan, serialization. No CUDA runtime calls (the
-// CPU emulator links this file; the upload and launch are in sgmv_run.cc).
+// upload and launch are in sgmv_run.cc).
 #include "cuda/sgmv_plan.h"
 
 #include <algorithm>
@@ -17,69 +17,91 @@ constexpr SgmvRankLimit kRankLimit{kMaxCudaRank, "over the CUDA kernel's limit"}
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-}  // namespace
-
-std::vector<uint8_t> SgmvPlan::Serialize() const {
-  std::vector<uint8_t> bytes(RowPtrsOffset() + row_ptrs.size() * sizeof(void*));
-  if (!tiles.empty()) std::memcpy(bytes.data(), tiles.data(), tiles.size() * sizeof(SgmvTile));
-  if (!row_ptrs.empty())
-    std::memcpy(bytes.data() + RowPtrsOffset(), row_ptrs.data(), row_ptrs.size() * sizeof(void*));
-  return bytes;
+template <typename T>
+void Put(std::vector<uint8_t>& out, size_t at, const T* data, int64_t count) {
+  if (count > 0) std::memcpy(out.data() + at, data, static_cast<size_t>(count) * sizeof(T));
 }
 
-size_t SgmvPlan::RowPtrsOffset() const { return AlignUp(tiles.size() * sizeof(SgmvTile), 8); }
+}  // namespace
 
-size_t SgmvPlan::ScratchBytes(int64_t num_rows) const {
-  const size_t plan = AlignUp(RowPtrsOffset() + row_ptrs.size() * sizeof(void*), 256);
-  return plan + static_cast<size_t>(num_rows) * max_rank * sizeof(float);
+SgmvPlan::Layout SgmvPlan::GetLayout() const {
+  const auto offsets = static_cast<size_t>(meta.num_slots * meta.max_rank) * sizeof(int64_t);
+  const auto per_layer = static_cast<size_t>(meta.num_layers * meta.num_slots) * 4;
+  Layout l{};
+  l.a_offsets = 0;
+  l.b_offsets = l.a_offsets + offsets;
+  l.ranks = l.b_offsets + offsets;
+  l.scales = AlignUp(l.ranks + per_layer, 8);
+  l.tiles = AlignUp(l.scales + per_layer, 8);
+  l.bytes = l.tiles + tiles.size() * sizeof(SgmvTile);
+  return l;
+}
+
+void SgmvPlan::Serialize(std::vector<uint8_t>& out) const {
+  const Layout l = GetLayout();
+  out.assign(l.bytes, 0);
+  const int64_t offsets = meta.num_slots * meta.max_rank,
+                per_layer = meta.num_layers * meta.num_slots;
+  Put(out, l.a_offsets, meta.a_offsets, offsets);
+  Put(out, l.b_offsets, meta.b_offsets, offsets);
+  Put(out, l.ranks, meta.ranks, per_layer);
+  Put(out, l.scales, meta.scales, per_layer);
+  Put(out, l.tiles, tiles.data(), static_cast<int64_t>(tiles.size()));
+}
+
+size_t SgmvPlan::VBytes() const {
+  return static_cast<size_t>(meta.num_rows) * layer_max_rank * sizeof(float);
 }
 
 SgmvPlan BuildSgmvPlan(const SgmvMetadata& m, const SgmvPool& pool) {
   CheckSgmvLayer(m);
   if (m.num_rows > INT32_MAX) Fail("x has ", m.num_rows, " rows; the CUDA kernel takes < 2^31");
+  if (m.num_layers > INT32_MAX || m.num_slots > INT32_MAX || m.max_rank > INT32_MAX)
+    Fail("ranks has shape [", m.num_layers, ", ", m.num_slots, "] and a_offsets [", m.num_slots,
+         ", ", m.max_rank, "]; the CUDA kernel takes dims < 2^31");
   SgmvPlan plan;
-  const std::vector<SgmvActiveSegment> active =
-      CheckSgmvSegments(m, pool, kRankLimit, plan.row_ptrs);
+  plan.meta = m;
+  std::vector<const void*> rows;  // resolved by the checks; the kernels resolve the offsets
+  for (const SgmvActiveSegment& a : CheckSgmvSegments(m, pool, kRankLimit, rows))
+    plan.layer_max_rank = std::max(plan.layer_max_rank, static_cast<int32_t>(a.rank));
+  // Tiles for every segment with a slot and rows, also those whose rank is 0 at this layer (the
+  // kernels skip them): the tiles, like the tables, are then the same for every layer.
   std::vector<SgmvTile> bgmv;
-  for (const SgmvActiveSegment& a : active) {
-    for (int32_t r = a.row_begin; r < a.row_end; r += kTileRows) {
-      const int32_t n = std::min<int32_t>(kTileRows, a.row_end - r);
-      const SgmvTile tile{r, n, static_cast<int32_t>(a.rank), static_cast<int32_t>(a.rows),
-                          a.scale};
-      (n <= kBgmvMaxRows ? bgmv : plan.tiles).push_back(tile);
+  for (int64_t s = 0; s < m.num_segments; ++s) {
+    const int32_t slot = m.seg_slots[s], begin = m.seg_starts[s], end = m.seg_starts[s + 1];
+    if (slot < 0 || begin == end) continue;
+    for (int32_t r = begin; r < end; r += kTileRows) {
+      const int32_t n = std::min<int32_t>(kTileRows, end - r);
+      (n <= kBgmvMaxRows ? bgmv : plan.tiles).push_back(SgmvTile{r, n, slot});
     }
-    plan.max_rank = std::max<int32_t>(plan.max_rank, static_cast<int32_t>(a.rank));
   }
   plan.num_sgmv_tiles = static_cast<int32_t>(plan.tiles.size());
   plan.tiles.insert(plan.tiles.end(), bgmv.begin(), bgmv.end());
   return plan;
 }
 
-std::string PlanForCEntry(int dtype, const SgmvMetadata& meta, const SgmvPool& pool,
-                          SgmvPlan& plan) {
-  if (dtype != static_cast<int>(SgmvDtype::kFloat16) &&
-      dtype != static_cast<int>(SgmvDtype::kBFloat16))
-    return "dtype must be 0 (float16) or 1 (bfloat16), got " + std::to_string(dtype);
-  try {
-    plan = BuildSgmvPlan(meta, pool);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
-
-SgmvArgs PlanArgs(const SgmvPlan& plan, void* scratch, const void* x, void* y_out,
-                  int64_t in_features, int64_t out_features) {
-  auto* base = static_cast<uint8_t*>(scratch);
+SgmvArgs PlanArgs(const SgmvPlan& plan, const void* device_plan, float* v, const SgmvPool& pool,
+                  const void* x, void* y_out) {
+  const auto* base = static_cast<const uint8_t*>(device_plan);
+  const SgmvPlan::Layout l = plan.GetLayout();
+  const SgmvMetadata& m = plan.meta;
   return SgmvArgs{x,
                   y_out,
-                  reinterpret_cast<float*>(base + plan.ScratchBytes(0)),
-                  reinterpret_cast<const SgmvTile*>(base),
-                  reinterpret_cast<const void* const*>(base + plan.RowPtrsOffset()),
-                  in_features,
-                  out_features,
-                  plan.max_rank,
-                  plan.max_rank,
+                  v,
+                  pool.key_cache,
+                  pool.value_cache,
+                  pool.half,
+                  reinterpret_cast<const SgmvTile*>(base + l.tiles),
+                  reinterpret_cast<const int64_t*>(base + l.a_offsets),
+                  reinterpret_cast<const int64_t*>(base + l.b_offsets),
+                  reinterpret_cast<const int32_t*>(base + l.ranks),
+                  reinterpret_cast<const float*>(base + l.scales),
+                  m.in_features,
+                  m.out_features,
+                  static_cast<int32_t>(m.layer),
+                  static_cast<int32_t>(m.num_slots),
+                  static_cast<int32_t>(m.max_rank),
+                  plan.layer_max_rank,
                   plan.num_sgmv_tiles,
                   static_cast<int32_t>(plan.tiles.size()) - plan.num_sgmv_tiles};
 }

@@ -19,8 +19,8 @@ D2H = 2
 
 
 def sgmv_c_args(dtype: str, x: int, y: int, y_out: int, key: int, value: int, half: int,
-                meta: dict, layer: int, num_rows: int, in_features: int,
-                out_features: int) -> tuple[list, dict]:  # fmt: skip
+                meta: dict, layer: int, num_rows: int, in_features: int, out_features: int,
+                stream: int) -> tuple[list, dict]:  # fmt: skip
     """The arguments ORT_LORA_SGMV_C_PARAMS (sgmv_plan.h) declares, shared by
     ort_lora_cuda_sgmv and the emulator's ort_lora_emu_sgmv; and the contiguous metadata
     arrays they point into (keep them alive for the call)."""
@@ -41,7 +41,7 @@ def sgmv_c_args(dtype: str, x: int, y: int, y_out: int, key: int, value: int, ha
         ptr["seg_starts"], ptr["seg_slots"], i64(len(m["seg_slots"])), ptr["a_offsets"],
         ptr["b_offsets"], i64(m["a_offsets"].shape[0]), i64(m["a_offsets"].shape[1]),
         ptr["ranks"], ptr["scales"], i64(m["ranks"].shape[0]), i64(layer), i64(num_rows),
-        i64(in_features), i64(out_features),
+        i64(in_features), i64(out_features), v(stream),
     ]  # fmt: skip
     return args, m
 
@@ -60,35 +60,52 @@ def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
 
 def lora_sgmv_ptrs(rt: CudaRuntime, dtype: str, x: int, y: int, y_out: int, key: int,
                    value: int, half: int, meta: dict, layer: int, num_rows: int,
-                   in_features: int, out_features: int, stream: int = 0) -> None:  # fmt: skip
-    """Enqueue LoraSGMV on `stream`. x/y/y_out/key/value: device addresses; half: elements of
-    key_cache; meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
+                   in_features: int, out_features: int, stream: int) -> None:  # fmt: skip
+    """Enqueue LoraSGMV on `stream` (not 0: the op refuses the legacy default stream).
+    x/y/y_out/key/value: device addresses (y_out may be y); half: elements of key_cache;
+    meta: seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales (numpy)."""
     args, _keep = sgmv_c_args(dtype, x, y, y_out, key, value, half, meta, layer, num_rows,
-                              in_features, out_features)  # fmt: skip
-    rc = rt.lib.ort_lora_cuda_sgmv(*args, ctypes.c_void_p(stream))
+                              in_features, out_features, stream)  # fmt: skip
+    rc = rt.lib.ort_lora_cuda_sgmv(*args)
     if rc != 0:
         msg = rt.lib.ort_lora_cuda_error_string(rc).decode(errors="replace")
         raise (ValueError if rc == -1 else CudaError)(f"LoraSGMV(CUDA): {msg}")
 
 
 def lora_sgmv_numpy(rt: CudaRuntime, dtype: str, y, x, key_cache, value_cache, meta: dict,
-                    layer: int) -> np.ndarray:  # fmt: skip
-    """y_out (same 16-bit array type as y: float16, or uint16 bfloat16 bits) via the device."""
+                    layer: int, in_place: bool = False,
+                    stream: int | None = None) -> np.ndarray:  # fmt: skip
+    """y_out (same 16-bit array type as y: float16, or uint16 bfloat16 bits) via the device.
+    in_place: y_out is y's buffer. stream None: a stream of its own, released and destroyed
+    after; else that stream (what LoraSGMV keeps for it stays: see sgmv_stats)."""
     arrays = [np.ascontiguousarray(a) for a in (x, y, key_cache, value_cache)]
     if any(a.itemsize != 2 for a in arrays):
         raise ValueError("x, y, key_cache and value_cache must be 16-bit arrays")
     ptrs = [rt.malloc(max(a.nbytes, 2)) for a in arrays] + [rt.malloc(max(arrays[1].nbytes, 2))]
+    own_stream = stream is None
+    stream = rt.stream() if own_stream else stream
+    v, u = ctypes.c_void_p, ctypes.c_uint64
     try:
         for p, a in zip(ptrs, arrays):
-            rt.call("memcpy_async", ctypes.c_void_p(p), a.ctypes.data_as(ctypes.c_void_p),
-                    ctypes.c_uint64(a.nbytes), 1, ctypes.c_void_p(0))  # fmt: skip
-        lora_sgmv_ptrs(rt, dtype, ptrs[0], ptrs[1], ptrs[4], ptrs[2], ptrs[3], key_cache.size,
-                       meta, layer, y.shape[0], x.shape[1], y.shape[1])  # fmt: skip
+            rt.call("memcpy_async", v(p), a.ctypes.data_as(v), u(a.nbytes), 1, v(stream))
+        y_out = ptrs[1] if in_place else ptrs[4]
+        lora_sgmv_ptrs(rt, dtype, ptrs[0], ptrs[1], y_out, ptrs[2], ptrs[3], key_cache.size,
+                       meta, layer, y.shape[0], x.shape[1], y.shape[1], stream)  # fmt: skip
         out = np.empty_like(arrays[1])
-        rt.call("memcpy_async", out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(ptrs[4]),
-                ctypes.c_uint64(out.nbytes), D2H, ctypes.c_void_p(0))  # fmt: skip
-        rt.call("stream_synchronize", ctypes.c_void_p(0))
+        rt.call("memcpy_async", out.ctypes.data_as(v), v(y_out), u(out.nbytes), D2H, v(stream))
+        rt.call("stream_synchronize", v(stream))
         return out
     finally:
+        if own_stream:
+            rt.lib.ort_lora_cuda_sgmv_release_stream(v(stream))
+            rt.lib.ort_lora_cuda_stream_destroy(v(stream))
         for p in ptrs:
-            rt.lib.ort_lora_cuda_free(ctypes.c_void_p(p))
+            rt.lib.ort_lora_cuda_free(v(p))
+
+
+def sgmv_stats(rt: CudaRuntime) -> dict:
+    """The process's LoraSGMV counters (SgmvStats, sgmv_plan.h): plans uploaded, plans reused
+    from an earlier upload, uploads that waited for an older copy, y -> y_out copies."""
+    out = (ctypes.c_uint64 * 4)()
+    rt.call("sgmv_stats", out)
+    return dict(zip(("uploads", "reused", "host_waits", "y_copies"), out))

@@ -242,7 +242,9 @@ void RunGrid(const char* kernel, dim3 grid, dim3 block, const std::function<void
   static std::mutex shared_memory;  // one section for all: one launch at a time per process
   const std::lock_guard<std::mutex> lock(shared_memory);
   Device& d = Dev();
-  if (d.error != cudaSuccess || !CheckConfig(kernel, grid, block)) return;
+  if (d.error != cudaSuccess) return;  // an earlier launch failed and nobody asked yet
+  d.message.clear();
+  if (!CheckConfig(kernel, grid, block)) return;
   if (!AllocateStacks(d, NumThreads(block)))
     return Fail(cudaErrorMemoryAllocation, "emulator: fiber stacks");
   d.body = &body, d.grid_dim = grid, d.block_dim = block;
