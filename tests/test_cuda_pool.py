@@ -7,6 +7,7 @@ simulation, and torch's bfloat16.
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from ort_lora.adapters.layout import packing, write_to_pool
 from ort_lora.bfloat16 import float32_to_bfloat16_bits
 from ort_lora.contract import ModelManifest, key_cache_name, value_cache_name
 from ort_lora.runtime.cuda_pool import (
+    CudaError,
     CudaPool,
     Load,
     PrefetchTracker,
@@ -143,7 +145,7 @@ class HostMemoryRuntime:
     It records every call so the test can check ordering (which stream, which event)."""
 
     def __init__(self):
-        self.buffers, self.calls, self.fired = [], [], set()
+        self.buffers, self.calls, self.fired, self.host_allocs = [], [], set(), []
         self._handles = iter(range(1000, 10**6))
 
     def device_count(self) -> int:
@@ -160,13 +162,18 @@ class HostMemoryRuntime:
 
     def host_alloc(self, nbytes: int) -> int:
         self.calls.append(("host_alloc", nbytes))
-        return self._alloc(nbytes)
+        self.host_allocs.append(self._alloc(nbytes))
+        return self.host_allocs[-1]
 
     def stream(self) -> int:
-        return next(self._handles)
+        handle = next(self._handles)
+        self.calls.append(("stream_create", handle))
+        return handle
 
     def event(self) -> int:
-        return next(self._handles)
+        handle = next(self._handles)
+        self.calls.append(("event_create", handle))
+        return handle
 
     def event_done(self, event: int) -> bool:
         return event in self.fired
@@ -200,6 +207,7 @@ def test_cuda_pool_uploads_adapters_and_orders_streams(dtype):
     pool = CudaPool(m, num_pages, rt)
     names = [c[0] for c in rt.calls]
     assert names[:3] == ["malloc", "memset", "stream_synchronize"]  # zeroed before any copy
+    assert names[3:] == ["stream_create", "stream_create"]
     adapters = {7: random_adapter(rng, m), 9: random_adapter(rng, m, rank=2)}
     need = {aid: packing(a, m.page_elems).num_pages for aid, a in adapters.items()}
     placed = {7: [4, 5, 1, 12, 13, 14][: need[7]], 9: [20, 8, 9, 10, 11][: need[9]]}
@@ -244,3 +252,58 @@ def _ones_like(adapter: HostAdapter) -> HostAdapter:
         for name, w in adapter.modules.items()
     }
     return HostAdapter(adapter.name, adapter.path, modules)
+
+
+def test_close_frees_every_allocation_stream_and_event_once():
+    """CudaPool.close waits for both streams, then destroys the events of uploads in flight,
+    frees every pinned staging buffer (in flight or idle), releases what the LoraSGMV op keeps
+    for the compute stream before that stream is destroyed, destroys both streams and frees the
+    pool. Twice is a no-op; a closed pool refuses loads and steps, naming why."""
+    rng = np.random.default_rng(12)
+    m, rt = manifest(block=4), HostMemoryRuntime()
+    pool = CudaPool(m, 24, rt)
+    adapter = random_adapter(rng, m)
+    fill = functools.partial(_fill, adapter)
+    need = packing(adapter, m.page_elems).num_pages
+    pool.load(1, list(range(need)), fill)
+    rt.fired.add(pool.tracker.inflight[0].event)
+    pool.poll()  # its staging is idle now
+    pool.load(2, list(range(need, 2 * need)), fill)
+    pool.load(3, list(range(2 * need, 3 * need)), fill)  # staging: one reused, one new
+    live_events = [ld.event for ld in pool.tracker.inflight]
+    assert len(live_events) == 2 and len(pool.tracker.free) == 0
+    rt.calls.clear()
+    pool.close()
+    streams = [pool.copy_stream, pool.compute_stream]
+    freed = [c[1] for c in rt.calls if c[0] == "host_free"]
+    assert len(rt.host_allocs) == 2 and sorted(freed) == sorted(rt.host_allocs)
+    assert sorted(c[1] for c in rt.calls if c[0] == "event_destroy") == sorted(live_events)
+    assert [c[1] for c in rt.calls if c[0] == "free"] == [pool.base]
+    assert sorted(c[1] for c in rt.calls if c[0] == "stream_destroy") == sorted(streams)
+    order = [c[:2] for c in rt.calls]
+    assert order[:2] == [("stream_synchronize", s) for s in streams]
+    release = order.index(("sgmv_release_stream", pool.compute_stream))
+    assert release < order.index(("stream_destroy", pool.compute_stream))
+    rt.calls.clear()
+    pool.close()
+    assert rt.calls == []
+    with pytest.raises(CudaError, match="cannot load an adapter: this CudaPool is closed"):
+        pool.load(4, [0], fill)
+    with pytest.raises(CudaError, match="cannot run a step: this CudaPool is closed"):
+        pool.wait_for_step()
+
+
+def test_a_failed_pool_creation_frees_the_pool():
+    class NoStreams(HostMemoryRuntime):
+        def stream(self) -> int:
+            raise CudaError("ort_lora_cuda_stream_create failed: out of resources (code 2)")
+
+    rt = NoStreams()
+    with pytest.raises(CudaError, match="stream_create failed"):
+        CudaPool(manifest(), 4, rt)
+    base = rt.buffers[0].ctypes.data
+    assert ("free", base) in rt.calls
+
+
+def _fill(adapter, staging) -> None:
+    write_to_pool(adapter, list(range(staging.shape[2])), staging)

@@ -267,23 +267,30 @@ class CudaPool:
     pool.load(adapter_id, pages, write, prefetch) stages and uploads an adapter before the
     next step; pool.wait_for_step() makes the compute stream wait for the uploads that step
     may touch (PrefetchTracker.events_for_step). Loads go through one copy stream, in order,
-    so a later copy into a page also lands after an earlier one.
+    so a later copy into a page also lands after an earlier one. pool.close() frees all of it
+    (after the ORT session that runs on its stream is gone: ModelSession.close).
     """
 
     def __init__(self, manifest: C.ModelManifest, num_pages: int, runtime: CudaRuntime):
         self.manifest, self.num_pages, self.rt = manifest, num_pages, runtime
+        self.closed = True  # until everything below exists: close() then has nothing to free
         if runtime.device_count() < 1:
             raise CudaError("no CUDA device is visible (cudaGetDeviceCount returned 0 or failed)")
         nbytes = pool_bytes(manifest, num_pages)
         self.base = runtime.malloc(nbytes)
-        runtime.call("memset", ctypes.c_void_p(self.base), 0, ctypes.c_uint64(nbytes))
-        # cudaMemset runs on the legacy default stream, which our non-blocking streams do not
-        # wait for: finish it before any upload can write adapter pages
-        runtime.call("stream_synchronize", ctypes.c_void_p(0))
-        self.copy_stream = runtime.stream()
-        self.compute_stream = runtime.stream()
+        try:
+            runtime.call("memset", ctypes.c_void_p(self.base), 0, ctypes.c_uint64(nbytes))
+            # cudaMemset runs on the legacy default stream, which our non-blocking streams do
+            # not wait for: finish it before any upload can write adapter pages
+            runtime.call("stream_synchronize", ctypes.c_void_p(0))
+            self.copy_stream = runtime.stream()
+            self.compute_stream = runtime.stream()
+        except BaseException:
+            runtime.call("free", ctypes.c_void_p(self.base))
+            raise
         self.tracker = PrefetchTracker()
         self.bindings = pool_bind_plan(manifest, num_pages, self.base)
+        self.closed = False
 
     def load(
         self, adapter_id: int, pages, write: Callable[[np.ndarray], None], prefetch: bool = False
@@ -291,6 +298,7 @@ class CudaPool:
         """write(staging) fills a host pool of len(pages) pages; its pages go to `pages`.
         prefetch: the next step does not use the adapter (it need not wait for the copy)."""
         pages = [int(p) for p in pages]
+        self._check_open("load an adapter")
         self.poll()
         m = self.manifest
         shape = (m.num_layers, 2, len(pages), m.block_size, m.num_kv_heads, m.head_dim)
@@ -318,6 +326,7 @@ class CudaPool:
     def wait_for_step(self) -> None:
         """Make the compute stream wait (on the GPU, not the host) for the uploads the step
         about to run may touch."""
+        self._check_open("run a step")
         for event in self.tracker.events_for_step():
             self.rt.call(
                 "stream_wait_event", ctypes.c_void_p(self.compute_stream), ctypes.c_void_p(event)
@@ -332,6 +341,34 @@ class CudaPool:
         """Block until every upload has landed (tests, shutdown)."""
         self.rt.call("stream_synchronize", ctypes.c_void_p(self.copy_stream))
         self.poll()
+
+    def close(self) -> None:
+        """Free the device pool, the pinned staging, the events and both streams, and what the
+        LoraSGMV op keeps for the compute stream (its plan uploads and scratch). Waits for both
+        streams first. The ORT session that runs on compute_stream must be gone. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        inflight, free = self.tracker.inflight, self.tracker.free
+        self.tracker, self.bindings = PrefetchTracker(), []
+        streams = (self.copy_stream, self.compute_stream)
+        steps = [("stream_synchronize", s) for s in streams]
+        steps += [("event_destroy", ld.event) for ld in inflight]
+        steps += [("host_free", b.ptr) for b in [ld.staging for ld in inflight] + free]
+        steps += [("sgmv_release_stream", self.compute_stream)]
+        steps += [("stream_destroy", s) for s in streams] + [("free", self.base)]
+        errors = []
+        for name, handle in steps:  # every step runs; the first failure is raised at the end
+            try:
+                self.rt.call(name, ctypes.c_void_p(handle))
+            except CudaError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise CudaError(f"cannot {what}: this CudaPool is closed (its device memory is freed)")
 
 
 # ---- ONNX Runtime glue (used by ModelSession(device="cuda")) ----------------------------------
@@ -362,6 +399,48 @@ def cuda_providers(pool: CudaPool, device_id: int = 0) -> list:
         "user_compute_stream": str(pool.compute_stream),
     }
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def cuda_session(model_path, sess_options, pool: CudaPool, device_id: int = 0):
+    """An onnxruntime.InferenceSession of model_path on CUDA, running on pool.compute_stream.
+
+    ORT's Python session retries a failed CUDA session on the CPU provider alone and then
+    raises that retry's error ("Could not find an implementation for ..."), hiding the reason;
+    and a CUDA provider that fails to load is skipped with a warning. Here neither passes: the
+    fallback is off, an error is raised as CudaError with ORT's own first cause, and a session
+    whose first provider is not CUDAExecutionProvider is refused.
+    """
+    import onnxruntime as ort
+
+    providers = cuda_providers(pool, device_id)
+    try:
+        session = ort.InferenceSession(
+            str(model_path), sess_options=sess_options, providers=providers, enable_fallback=0
+        )
+    except Exception as e:
+        cause = first_cause(e)
+        raise CudaError(
+            f"onnxruntime could not create a CUDA session for {model_path}: "
+            f"{type(cause).__name__}: {cause}"
+        ) from e
+    got = session.get_providers()
+    if not got or got[0] != "CUDAExecutionProvider":
+        del session
+        raise CudaError(
+            f"onnxruntime created the session for {model_path} with providers {got}: "
+            "CUDAExecutionProvider is not first (it failed to load; ORT's log above says why, "
+            "often missing CUDA or cuDNN libraries: see onnxruntime.preload_dlls())"
+        )
+    return session
+
+
+def first_cause(error: BaseException) -> BaseException:
+    """The innermost exception `raise ... from` chained to `error` (itself if none)."""
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    return error
 
 
 def bind_cuda_pool(binding, pool: CudaPool, device_id: int = 0) -> None:

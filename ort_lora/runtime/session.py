@@ -84,7 +84,7 @@ class ModelSession:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
         opts = {"intra_op_num_threads": self.intra_op_num_threads}
         opts = {k: v for k, v in opts.items() if v is not None}
-        providers = ["CPUExecutionProvider"]
+        model_path = self.model_dir / C.MODEL_NAME
         self.cuda_pool = None
         if self.device == "cuda":
             from ort_lora.runtime import cuda_pool
@@ -92,12 +92,19 @@ class ModelSession:
             self.cuda_pool = cuda_pool.CudaPool(
                 self.manifest, self.num_pages, cuda_pool.CudaRuntime()
             )
-            providers = cuda_pool.cuda_providers(self.cuda_pool)
-        self.ort_session = ort.InferenceSession(
-            str(self.model_dir / C.MODEL_NAME),
-            sess_options=ort_lora.session_options(**opts),
-            providers=providers,
-        )
+            try:  # CudaError with ORT's own cause; CUDA provider first or refused
+                self.ort_session = cuda_pool.cuda_session(
+                    model_path, ort_lora.session_options(**opts), self.cuda_pool
+                )
+            except BaseException:
+                self.cuda_pool.close()
+                raise
+        else:
+            self.ort_session = ort.InferenceSession(
+                str(model_path),
+                sess_options=ort_lora.session_options(**opts),
+                providers=["CPUExecutionProvider"],
+            )
         self._input_names = {i.name for i in self.ort_session.get_inputs()}
         self._bind_pool()
 
@@ -137,6 +144,13 @@ class ModelSession:
             staged_pages = list(range(len(pages)))  # staging is a pool of len(pages) pages
             stage = functools.partial(write, staged_pages)  # stage(staging) fills the staging
             self.cuda_pool.load(adapter_id, pages, stage, prefetch=prefetch)
+
+    def close(self) -> None:
+        """Release the ORT session, then (CUDA) the device pool with its staging, streams and
+        events (CudaPool.close). The session is unusable after; closing twice is a no-op."""
+        self.binding = self.ort_session = None  # ORT runs on the pool's stream: release it first
+        if self.cuda_pool is not None:
+            self.cuda_pool.close()
 
     def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """One step: bind the metadata inputs, run, return logits float32 [N, vocab].
