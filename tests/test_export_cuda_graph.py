@@ -9,7 +9,9 @@ import pytest
 from onnx import TensorProto, numpy_helper
 from safetensors.numpy import load_file
 
+from ort_lora.contract import ModelManifest
 from ort_lora.export import export_model
+from ort_lora.export.exporter import default_block_size
 
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 RTOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half an ulp of each format, with margin
@@ -63,3 +65,30 @@ def _assert_ort_resolves_graph(out):
             providers=["CPUExecutionProvider"],
         )
     assert "NOT_IMPLEMENTED" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "device, head_dim, block",
+    [
+        ("cpu", 64, 16),
+        ("cuda", 16, 256),
+        ("cuda", 64, 256),
+        ("cuda", 80, 128),
+        ("cuda", 128, 128),
+        ("cuda", 256, 64),
+    ],
+)
+def test_default_block_size_is_what_orts_flash_paged_kernel_takes(device, head_dim, block):
+    """ORT's CUDA PagedAttention runs FlashAttention's paged kernel only when block_size is a
+    multiple of 256 (head_dim <= 64), 128 (<= 128) or 64; else prefill gathers the whole KV."""
+    assert default_block_size(device, head_dim) == block
+
+
+def test_cuda_export_without_block_size_takes_the_default(tiny_llama_checkpoint, tmp_path):
+    out = export_model(
+        tiny_llama_checkpoint, tmp_path / "out", dtype="float16", device="cuda", progress=False
+    )
+    assert ModelManifest.load(out).block_size == 256  # head_dim 16
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    cache = next(i for i in model.graph.input if i.name == "key_cache.0")
+    assert cache.type.tensor_type.shape.dim[1].dim_value == 256

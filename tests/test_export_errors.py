@@ -161,3 +161,14 @@ def test_inconsistent_config_is_named(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="not a multiple of num_key_value_heads 3"):
         export_model(ckpt, tmp_path / "out", block_size=8, progress=False)
+
+
+def test_cuda_export_refuses_a_head_size_orts_rotary_cannot_take(tmp_path):
+    """ORT's CUDA PagedAttention checks head_size % 16 whenever cos/sin caches are given (they
+    always are): head_dim 24 would fail at the first step, so export refuses it by name."""
+    config = tiny_config("llama", head_dim=24, hidden_size=96)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", config, seed=5)
+    message = "head_dim 24: ORT's CUDA PagedAttention with rotary embeddings needs a multiple of 16"
+    with pytest.raises(ExportError, match=message):
+        export_model(ckpt, tmp_path / "out", device="cuda", dtype="float16", progress=False)
+    assert not (tmp_path / "out").exists()

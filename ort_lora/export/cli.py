@@ -38,7 +38,13 @@ def parser() -> argparse.ArgumentParser:
         help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 (half "
         "the adapter bytes per step, float32 accumulation)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size (default: 16 on cpu; on cuda 256 for head_dim <= 64, 128 for <= 128, "
+        "else 64, what ORT's FlashAttention paged kernel needs)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--force", action="store_true", help="replace an existing export in OUTDIR")
     p.add_argument(

@@ -31,7 +31,7 @@ def export_model(
     *,
     lora_targets=None,
     dtype: str = "float32",
-    block_size: int = 16,
+    block_size: int | None = None,
     device: str = "cpu",
     adapter_dtype: str | None = None,
     force: bool = False,
@@ -42,6 +42,7 @@ def export_model(
 
     lora_targets: iterable of module names (default: all seven linear modules).
     dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
+    block_size: KV block size; None: default_block_size(device, head_dim).
     adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu,
         "bfloat16" (half the bytes LoraSGMV reads per step; float32 accumulation).
     extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows.
@@ -51,7 +52,7 @@ def export_model(
     extra = _check_extra(extra)
     _check_device_dtype(device, dtype)
     adapter_dtype = _check_adapter_dtype(device, dtype, adapter_dtype)
-    if not isinstance(block_size, int) or block_size <= 0:
+    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
         raise ExportError(f"block size must be a positive integer, got {block_size!r}")
     out_dir = Path(out_dir).expanduser()
     _check_out_dir(out_dir, force)
@@ -59,6 +60,8 @@ def export_model(
     cfg = arch_config(source.config, source.generation_config)
     if "max_position_embeddings" in extra:
         cfg.max_position_embeddings = extra["max_position_embeddings"]
+    if block_size is None:
+        block_size = default_block_size(device, cfg.head_dim)
     _check_page_fits_rows(cfg, targets, block_size, 2 if adapter_dtype else 1)
     if device == "cuda":
         _check_cuda_attention(cfg, block_size)
@@ -158,16 +161,27 @@ def _check_adapter_dtype(device: str, dtype: str, adapter_dtype: str | None) -> 
     )
 
 
+def default_block_size(device: str, head_dim: int) -> int:
+    """16 on cpu. On cuda the smallest block ORT's CUDA PagedAttention runs FlashAttention's
+    paged kernel with (a page must hold whole kBlockN tiles: 256 tokens for head_dim <= 64, 128
+    for <= 128, else 64); with smaller blocks every prefill and mixed step gathers the whole KV
+    into a dense buffer for the memory-efficient kernel instead."""
+    if device != "cuda":
+        return 16
+    return 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+
+
 def _check_cuda_attention(cfg: ArchConfig, block_size: int) -> None:
     """What ORT's CUDA com.microsoft.PagedAttention accepts (it checks at run time)."""
     if block_size < 16 or block_size & (block_size - 1):
         raise ExportError(
             f"block size {block_size}: ORT's CUDA PagedAttention needs a power of two >= 16 "
-            "(use --block-size 16)"
+            f"(leave --block-size out for {default_block_size('cuda', cfg.head_dim)})"
         )
-    if cfg.head_dim % 8:
+    if cfg.head_dim % 16:  # ORT checks head_size % 16 whenever cos/sin caches are given
         raise ExportError(
-            f"head_dim {cfg.head_dim}: ORT's CUDA PagedAttention needs a multiple of 8"
+            f"head_dim {cfg.head_dim}: ORT's CUDA PagedAttention with rotary embeddings needs a "
+            "multiple of 16; this model cannot be exported for --device cuda"
         )
 
 
