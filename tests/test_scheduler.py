@@ -362,7 +362,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(num_pages=8, pool_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(4\\)"):
-        EngineConfig(num_pages=8, max_cpu_loras=2)
+        EngineConfig(num_pages=8, max_loras=4, max_cpu_loras=2)
     manifest = C.ModelManifest(
         architecture="LlamaForCausalLM",
         model_type="llama",
@@ -392,3 +392,33 @@ def test_config_validation():
         EngineConfig(num_pages=4, block_size=8, max_model_len=600).resolved(manifest)
     with pytest.raises(ValueError, match="holds no page"):
         EngineConfig(pool_memory_bytes=page - 1, block_size=8).resolved(manifest)
+
+
+def test_default_pool_follows_free_memory_and_the_model():
+    """Default pool: 10 % of the memory available beyond the weights, within [256 MiB, 4 GiB];
+    CUDA pools keep 512 MiB; a given fraction overrides; max_loras defaults to the pool bound."""
+    from ort_lora import config as cfgmod
+
+    manifest = C.ModelManifest(
+        architecture="LlamaForCausalLM", model_type="llama", num_layers=2, hidden_size=64,
+        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=100,
+        max_position_embeddings=512, block_size=8, dtype="float32", device="cpu",
+        lora_targets={}, eos_token_ids=[2],
+    )  # fmt: skip
+    weights = cfgmod.weight_bytes(manifest)
+    gib = 1 << 30
+    assert cfgmod.default_pool_bytes(manifest, 0.1, 20 * gib + weights) == 2 * gib
+    assert cfgmod.default_pool_bytes(manifest, 0.1, gib) == cfgmod.POOL_FLOOR_BYTES
+    assert cfgmod.default_pool_bytes(manifest, 0.5, 100 * gib) == cfgmod.POOL_CAP_BYTES
+    cuda = C.ModelManifest(**{**manifest.__dict__, "device": "cuda"})
+    assert cfgmod.default_pool_bytes(cuda, 0.1, 100 * gib) == cfgmod.DEFAULT_POOL_BYTES
+    cfg = EngineConfig()
+    assert (cfg.pool_memory_fraction, cfg.max_loras, cfg.max_cpu_loras) == (0.1, None, 32)
+    resolved = EngineConfig(pool_memory_fraction=0.01).resolved(manifest)
+    assert resolved.num_pages >= cfgmod.POOL_FLOOR_BYTES // cfgmod.page_bytes(manifest)
+    assert resolved.max_loras == resolved.num_pages  # no cap beyond the pool
+    assert EngineConfig(max_loras=3).resolved(manifest).max_loras == 3  # an upper bound
+    with pytest.raises(ValueError, match="pool_memory_fraction must be in \\(0, 0.9\\], got 2"):
+        EngineConfig(pool_memory_fraction=2)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(pool_memory_bytes=1 << 20, pool_memory_fraction=0.1)
