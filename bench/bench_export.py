@@ -28,31 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LLAMA_1B = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    tie_word_embeddings=True,
-    bos_token_id=128000,
-    eos_token_id=[128001, 128008, 128009],
-    torch_dtype="bfloat16",
-)
+from ort_lora.bench.assets import LLAMA_1B
 
 
 def smollm2_source(_workdir: Path) -> Path:

@@ -2,7 +2,8 @@
 never a speed. Plus bad command lines and the .onnx_adapter conversion (vs the PEFT tensors).
 
 With onnxruntime-genai installed (the `bench` extra) the quick run exercises its two systems
-too; without it they are skipped and the results say so.
+too; without it they are skipped and the results say so. vLLM (a peer venv) is never installed
+by --quick: its systems are skipped in the fresh cache directory and the notes say so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def quick_run(tmp_path_factory):
 
 
 def _expected_runs():
-    systems = {s for s, _, _ in plan.SYSTEM_ROWS}
+    systems = {s for s, _, _ in plan.SYSTEM_ROWS} - set(plan.PEER_SYSTEMS)
     if not HAS_GENAI:
         systems -= set(plan.GENAI_SYSTEMS)
     return plan.experiments(plan.QUICK, 256, systems)
@@ -65,6 +66,7 @@ def test_quick_results_schema(quick_run):
         assert row["ttft_p50_ms"] <= row["ttft_p99_ms"]
     if not HAS_GENAI:
         assert any("onnxruntime-genai" in n for n in doc["meta"]["notes"])
+    assert any(n.startswith("vllm systems skipped") for n in doc["meta"]["notes"])
     keys = {"what", "measured", "measured_cpu", "goal"}
     assert doc["targets"] and all(keys == set(t) for t in doc["targets"])
 
@@ -76,8 +78,8 @@ def test_quick_report_has_every_table(quick_run):
     assert "ort-lora bench --quick" in text
     for section in ("## Targets", "## systems/decode-heavy", "## popularity", "## trace"):
         assert section in text
-    for _, label, _ in plan.SYSTEM_ROWS:
-        if HAS_GENAI or "genai" not in label:
+    for system, label, _ in plan.SYSTEM_ROWS:
+        if (HAS_GENAI or "genai" not in label) and system not in plan.PEER_SYSTEMS:
             assert f"| {label} |" in text
 
 
@@ -106,7 +108,7 @@ def test_onnx_adapter_holds_the_peft_tensors(quick_run):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--systems", "vllm"], "--systems: unknown ['vllm']"),
+        (["--systems", "sglang"], "--systems: unknown ['sglang']"),
         (["--experiments", "speed"], "--experiments: unknown ['speed']"),
         (["--threads", "0"], "--threads and --rank must be >= 1"),
     ],

@@ -1,6 +1,6 @@
 """Benchmark assets, built once into a cache directory and reused: never committed.
 
-GGUF / tiny checkpoint ──▶ hf/            HF checkpoint (transformers save_pretrained)
+GGUF / tiny / llama1b  ──▶ hf/            HF checkpoint (transformers save_pretrained)
                        ──▶ ort_lora/      ort-lora export (export_model)
 hf/ + seed             ──▶ adapters/a{i}  random PEFT adapters (save_pretrained, seeded)
 hf/                    ──▶ genai_base/    onnxruntime-genai model builder, fp32 CPU
@@ -21,13 +21,40 @@ from pathlib import Path
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Llama-3.2-1B's published shapes; the benchmarks fill them with seeded random weights
+LLAMA_1B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=True,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128008, 128009],
+    torch_dtype="bfloat16",
+)
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the benchmark model comes from: the SmolLM2 GGUF or a tiny random checkpoint."""
+    """Where the benchmark model comes from: the SmolLM2 GGUF, a tiny random checkpoint or a
+    random one with Llama-3.2-1B's shapes (bfloat16 safetensors in 4 shards)."""
 
-    name: str  # "smollm2" or "tiny"
+    name: str  # "smollm2", "tiny" or "llama1b"
     block_size: int = 16
 
     def hf_checkpoint(self, cache: Path) -> Path:
@@ -42,8 +69,12 @@ class ModelSource:
             from ort_lora.export.tiny import tiny_config, write_random_checkpoint
 
             write_random_checkpoint(tmp, tiny_config("llama"), seed=1234)
+        elif self.name == "llama1b":
+            from ort_lora.export.tiny import write_random_checkpoint
+
+            write_random_checkpoint(tmp, LLAMA_1B, seed=0, dtype="bfloat16", shards=4)
         else:
-            raise ValueError(f"unknown model {self.name!r}; expected 'smollm2' or 'tiny'")
+            raise ValueError(f"unknown model {self.name!r}; expected smollm2, tiny or llama1b")
         tmp.rename(out)
         return out
 

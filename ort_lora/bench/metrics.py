@@ -65,6 +65,48 @@ def peak_rss_mb(pid: int | str = "self") -> float | None:
     return None
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its live descendants (from /proc; a server that forks workers, like vLLM's
+    engine core, is measured as the whole tree)."""
+    from pathlib import Path
+
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(parents.get(p, []))
+    return tree
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process and its live descendants (all threads)."""
+    import os
+    from pathlib import Path
+
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tree_peak_rss_mb(pid: int) -> float | None:
+    """Summed VmHWM of a process and its live descendants in MiB (an upper bound on their
+    joint peak: each one's own peak, whenever it came)."""
+    peaks = [peak_rss_mb(p) for p in process_tree(pid)]
+    return sum(p for p in peaks if p is not None) or None
+
+
 def sgemm_gflops(n: int = 2048, repeats: int = 3) -> float:
     """float32 GEMM rate of numpy's BLAS on an n x n x n product: the machine's compute roof."""
     import time

@@ -6,6 +6,8 @@ popularity  ort-lora on Punica's patterns (distinct, uniform, skewed, identical)
 trace       S-LoRA's trace (Gamma arrivals) on the engine and through the HTTP server
 registered  ort-lora as the number of registered adapters grows
 prefill     ort-lora base-only prefill (1 output token), with the machine's sgemm rate
+scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
+            uniform and base, and vLLM mixed, on a shorter decode-heavy shape
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Scale:
     shapes: dict[str, tuple[int, int]]  # shape name -> (prompt tokens, new tokens)
     registered: tuple[int, ...]
     trace: dict
+    scale: dict | None = None  # the bigger model's workload (None: no scale experiment)
 
 
 # Issue 7's shapes exactly: targets are stated at 8 prompt + 64 new tokens (decode-heavy) and
@@ -35,6 +38,7 @@ FULL = Scale(
     shapes={"decode-heavy": (8, 64), "prefill-heavy": (64, 32)},
     registered=(5, 100, 1000),
     trace=dict(n=24, rate=2.0, cv=1.0, prompt_range=(8, 64), output_range=(8, 32)),
+    scale=dict(model="llama1b", n=16, prompt=8, new=32),
 )
 QUICK = Scale(
     num_requests=8,
@@ -53,9 +57,20 @@ SYSTEM_ROWS = (
     ("genai", "onnxruntime-genai base", "base"),
     ("genai-multilora", "onnxruntime-genai multi-LoRA (grouped)", "uniform"),
     ("ort-lora-http", "ort-lora HTTP mixed", "uniform"),
+    ("vllm", "vLLM mixed", "uniform"),
+    ("vllm", "vLLM base", "base"),
+    ("vllm-http", "vLLM HTTP mixed", "uniform"),
 )
 GENAI_SYSTEMS = ("genai", "genai-multilora")
-EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill")
+# systems that run from a venv of their own (peers.py): system -> peer
+PEER_SYSTEMS = {"vllm": "vllm", "vllm-http": "vllm"}
+EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill", "scale")
+# rows of the scale experiment: (system, label suffix, pattern)
+SCALE_ROWS = (
+    ("ort-lora", "ort-lora uniform", "uniform"),
+    ("ort-lora", "ort-lora base", "base"),
+    ("vllm", "vLLM mixed", "uniform"),
+)
 
 
 def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0) -> list[dict]:
@@ -82,7 +97,22 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
     plen_prefill = max(p for p, _ in scale.shapes.values())
     w = W.popularity_workload("base", n, plen_prefill, 1, vocab_size, 0, seed)
     runs.append(_run("ort-lora", "ort-lora base prefill", "prefill", w, sgemm=True))
+    runs += _scale_runs(scale, vocab_size, seed)
     return [r for r in runs if r["system"] in systems]
+
+
+def _scale_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
+    """Runs on the bigger model (prompts drawn from the first model's vocabulary, which the
+    bigger one's contains)."""
+    if scale.scale is None:
+        return []
+    s, a = scale.scale, scale.num_adapters
+    runs = []
+    for system, label, pattern in SCALE_ROWS:
+        w = W.popularity_workload(pattern, s["n"], s["prompt"], s["new"], vocab_size, a, seed)
+        run = _run(system, f"{label} ({s['model']})", "scale", w)
+        runs.append({**run, "model": s["model"]})
+    return runs
 
 
 def _run(system: str, label: str, experiment: str, workload: W.Workload, **options) -> dict:
@@ -92,7 +122,8 @@ def _run(system: str, label: str, experiment: str, workload: W.Workload, **optio
 
 
 def to_spec(run: dict, models: dict, adapters: list, genai_adapters: list, threads: int):
-    """The RunSpec of one planned run, given the built assets."""
+    """The RunSpec of one planned run, given the built assets (models and adapters of the
+    run's model)."""
     return RunSpec(
         system=run["system"],
         label=run["label"],

@@ -11,6 +11,7 @@ COLUMNS = (
     ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
     ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
     ("peak_rss_mb", "peak RSS MiB", "{:.0f}"),
+    ("load", "load 1m start/end", "{}"),
 )
 
 
@@ -33,9 +34,17 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             cells = [f"error: {r['error'][:120]}"] + [""] * (len(COLUMNS) - 1)
         else:
-            cells = [_fmt(fmt, r.get(key)) for key, _, fmt in COLUMNS]
+            cells = [_fmt(fmt, _cell(r, key)) for key, _, fmt in COLUMNS]
         lines.append("| " + " | ".join([r["label"], r["workload"], *cells]) + " |")
     return "\n".join(lines)
+
+
+def _cell(row: dict, key: str):
+    if key != "load":
+        return row.get(key)
+    if row.get("loadavg_start") is None:
+        return None
+    return f"{row['loadavg_start'][0]:.1f} / {row['loadavg_end'][0]:.1f}"
 
 
 def _fmt(fmt: str, value) -> str:
@@ -55,18 +64,21 @@ def _both(a: dict | None, b: dict | None) -> tuple[float | None, float | None]:
 
 def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     """(what, measured by wall clock, measured by CPU time or None, goal) for each target of
-    issue 7 the run can check; a name ending "(<=)" is an upper bound."""
+    issues 7 and 19 the run can check; a name ending "(<=)" is an upper bound."""
     out = []
     for shape in shapes:
         exp = f"systems/{shape}"
-        mixed = find(results, exp, "ort-lora mixed")
-        for other, goal in (
-            ("onnxruntime-genai base", 1.0),
-            ("transformers+PEFT mixed", 3.4 if shape == "decode-heavy" else 2.6),
-            ("onnxruntime-genai multi-LoRA (grouped)", 4.5),
+        for ours, other, goal in (
+            ("ort-lora mixed", "onnxruntime-genai base", 1.0),
+            ("ort-lora mixed", "transformers+PEFT mixed", 3.4 if shape == "decode-heavy" else 2.6),
+            ("ort-lora mixed", "onnxruntime-genai multi-LoRA (grouped)", 4.5),
+            ("ort-lora mixed", "vLLM mixed", 5.0),
+            ("ort-lora HTTP mixed", "vLLM HTTP mixed", 5.0),
+            ("ort-lora base", "vLLM base", 1.1),
         ):
-            what = f"{shape}: ort-lora mixed / {other}"
-            out.append((what, *_both(mixed, find(results, exp, other)), goal))
+            a, b = find(results, exp, ours), find(results, exp, other)
+            if b is not None or other.startswith(("onnxruntime", "transformers")):
+                out.append((f"{shape}: {ours} / {other}", *_both(a, b), goal))
     base = find(results, "popularity", "ort-lora base")
     for pattern, goal in (("identical", 0.9), ("uniform", 0.8), ("distinct", 0.6)):
         r = find(results, "popularity", f"ort-lora {pattern}")
@@ -76,6 +88,10 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if len(regs) >= 2:
         what = f"{regs[-1]['num_adapters']} vs {regs[0]['num_adapters']} registered"
         out.append((what, *_both(regs[-1], regs[0]), 0.9))
+        distinct = find(results, "popularity", "ort-lora distinct")
+        what = f"{regs[-1]['num_adapters']} registered vs distinct adapters in the batch"
+        out.append((what, *_both(regs[-1], distinct), 0.95))
+    out += _scale_and_memory(results)
     pre = find(results, "prefill", "ort-lora base prefill")
     if pre is not None:
         e = pre["extra"]
@@ -85,6 +101,33 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if mixed is not None and "host_share_at_max_seqs" in mixed["extra"]:
         share = mixed["extra"]["host_share_at_max_seqs"]
         out.append(("host share of a step at max seqs (<=)", share, None, 0.10))
+    return out
+
+
+def _scale_and_memory(results: list[dict]) -> list[tuple]:
+    out = []
+    scale = {r["label"]: r for r in rows_of(results, "scale") if "error" not in r}
+    uniform = next((r for k, r in scale.items() if k.startswith("ort-lora uniform")), None)
+    base = next((r for k, r in scale.items() if k.startswith("ort-lora base")), None)
+    if uniform is not None and base is not None:
+        model = uniform["label"].split("(")[-1].rstrip(")")
+        out.append((f"{model}: LoRA cost uniform / base", *_both(uniform, base), 0.85))
+    http = find(results, "systems/decode-heavy", "ort-lora HTTP mixed")
+    if http is not None and "model_mb" in http["extra"]:
+        e = http["extra"]
+        budget = e["model_mb"] + e["pool_mb"] + 300
+        out.append(
+            (
+                "HTTP peak RSS / (model + pool + 300 MB) (<=)",
+                http["peak_rss_mb"] / budget,
+                None,
+                1.0,
+            )
+        )
+        genai = find(results, "systems/decode-heavy", "onnxruntime-genai base")
+        if genai is not None:
+            ratio = (http["peak_rss_mb"] - e["pool_mb"]) / genai["peak_rss_mb"]
+            out.append(("HTTP peak RSS less the pool / genai base peak (<=)", ratio, None, 1.5))
     return out
 
 

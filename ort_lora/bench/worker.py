@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -25,8 +26,10 @@ def run_spec(spec: RunSpec) -> dict:
         raise ValueError(f"unknown system {spec.system!r}; expected one of {sorted(RUNNERS)}")
     workload = spec.load
     runner = importlib.import_module(RUNNERS[spec.system])
+    load_start = os.getloadavg()
     times, extra = runner.run(spec, workload)
     row = summarize(times, workload.output_tokens)
+    row["loadavg_start"], row["loadavg_end"] = load_start, os.getloadavg()
     row["peak_rss_mb"] = extra.pop("server_peak_rss_mb", None) or peak_rss_mb()
     # CPU seconds of the system during the measured part: robust to other jobs on the machine
     row["cpu_s"] = extra.pop("cpu_s")

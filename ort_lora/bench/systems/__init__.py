@@ -11,4 +11,6 @@ RUNNERS = {
     "transformers": "ort_lora.bench.systems.hf_peft",
     "genai": "ort_lora.bench.systems.genai",
     "genai-multilora": "ort_lora.bench.systems.genai",
+    "vllm": "ort_lora.bench.systems.vllm_peer",
+    "vllm-http": "ort_lora.bench.systems.vllm_peer",
 }

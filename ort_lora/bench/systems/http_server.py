@@ -1,7 +1,8 @@
 """ort-lora through its OpenAI-compatible HTTP server: `ort-lora serve` in a child process,
 requests sent at their arrival times as streaming /v1/completions calls (token-id prompts,
 greedy, ignore_eos). Token times are the arrival times of the SSE chunks at the client; each
-chunk's token count comes from its logprobs. Peak memory is the server's (VmHWM)."""
+chunk's token count comes from its logprobs. CPU time and peak memory are the server's
+(its whole process tree). `measure_server` is shared with vLLM's server (vllm_peer.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ort_lora.bench.metrics import RequestTimes, peak_rss_mb
+from ort_lora.bench.metrics import RequestTimes, cpu_seconds, tree_peak_rss_mb
 from ort_lora.bench.spec import RunSpec
 from ort_lora.bench.workloads import BenchRequest, Workload
 
@@ -24,71 +25,105 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(model_dir: str, port: int, adapters: list[str]) -> list[str]:
+    """`ort-lora serve` with its default pool and max_loras, adapters named a0, a1, ..."""
+    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", model_dir, "--port", str(port)]
+    cmd += ["--log-level", "warning", "--max-cpu-loras", "48", "--max-num-seqs", "64"]
+    if adapters:
+        cmd += ["--lora-modules", *[f"a{i}={a}" for i, a in enumerate(adapters)]]
+    return cmd
+
+
 def start_server(spec: RunSpec, workload: Workload, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", spec.models["ort_lora"]]
-    cmd += ["--port", str(port), "--log-level", "warning", "--max-loras", "32"]
-    cmd += ["--max-cpu-loras", "48", "--max-num-seqs", "64", "--pool-memory-mb", "1536"]
-    mods = [f"a{i}={spec.adapters[i]}" for i in range(workload.num_adapters)]
-    if mods:
-        cmd += ["--lora-modules", *mods]
+    cmd = serve_command(spec.models["ort_lora"], port, spec.adapters[: workload.num_adapters])
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
+def pool_and_model_mb(url: str, model_dir: str) -> dict:
+    """The server's pool (pages from /metrics x the model's page size) and the model's bytes
+    on disk (graph + external weights), in MiB."""
+    import httpx
+
+    from ort_lora.config import page_bytes
+    from ort_lora.contract import ModelManifest
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pages = sum(
+        float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("ort_lora:pool_pages{")
+    )
+    model = sum(f.stat().st_size for f in Path(model_dir).glob("model.onnx*"))
+    pool = pages * page_bytes(ModelManifest.load(model_dir))
+    return {"pool_mb": pool / 2**20, "model_mb": model / 2**20}
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ort-lora serve exited ({proc.returncode}): {proc.stderr.read()}")
+            said = proc.stderr.read() if proc.stderr else "its output is in bench.log"
+            raise RuntimeError(f"the server exited ({proc.returncode}): {said}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"ort-lora serve did not answer {url}/health within {timeout_s}s")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (all its threads), from /proc."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise TimeoutError(f"the server did not answer {url}/health within {timeout_s}s")
 
 
 def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(spec, workload, port)
+    sizes = {}
+    times, extra = measure_server(
+        proc,
+        url,
+        workload,
+        before_stop=lambda: sizes.update(pool_and_model_mb(url, spec.models["ort_lora"])),
+    )
+    return times, {**extra, **sizes}
+
+
+def measure_server(proc, url: str, workload: Workload, base_model=None, before_stop=None):
+    """Wait for the server, warm it up, send the workload; (times, extra with cpu_s and the
+    server's peak RSS). Calls before_stop(), then stops the server. base_model: the `model`
+    of base-only requests (None: no `model` field)."""
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         warm = BenchRequest((100, 101, 102, 103), 2, None)
-        asyncio.run(_send_all(url, [warm]))
+        asyncio.run(_send_all(url, [warm], base_model))
         cpu0 = cpu_seconds(proc.pid)
-        times = asyncio.run(_send_all(url, list(workload.requests)))
+        times = asyncio.run(_send_all(url, list(workload.requests), base_model))
         extra = {"cpu_s": cpu_seconds(proc.pid) - cpu0}
-        return times, {**extra, "server_peak_rss_mb": peak_rss_mb(proc.pid)}
+        if before_stop is not None:
+            before_stop()
+        return times, {**extra, "server_peak_rss_mb": tree_peak_rss_mb(proc.pid)}
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
-async def _send_all(url: str, requests: list[BenchRequest]) -> list[RequestTimes]:
+async def _send_all(url: str, requests: list[BenchRequest], base_model=None):
     import httpx
 
     limits = httpx.Limits(max_connections=len(requests) + 1)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        jobs = [_one(client, r, t0) for r in requests]
+        jobs = [_one(client, r, t0, base_model) for r in requests]
         return list(await asyncio.gather(*jobs))
 
 
-async def _one(client, r: BenchRequest, t0: float) -> RequestTimes:
+async def _one(client, r: BenchRequest, t0: float, base_model: str | None) -> RequestTimes:
     await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
     body = {
-        "model": "base" if r.adapter is None else f"a{r.adapter}",
+        "model": base_model if r.adapter is None else f"a{r.adapter}",
         "prompt": list(r.prompt_ids),
         "max_tokens": r.max_tokens,
         "temperature": 0.0,
@@ -96,7 +131,7 @@ async def _one(client, r: BenchRequest, t0: float) -> RequestTimes:
         "stream": True,
         "logprobs": 0,
     }
-    if r.adapter is None:
+    if body["model"] is None:
         body.pop("model")
     times = RequestTimes(r.arrival_s)
     async with client.stream("POST", "/v1/completions", json=body) as resp:

