@@ -25,7 +25,11 @@ DEFAULT_POOL_BYTES = 512 << 20  # device pools (CUDA)
 DEFAULT_POOL_FRACTION = 0.10
 POOL_FLOOR_BYTES = 256 << 20
 POOL_CAP_BYTES = 4 << 30
-DEFAULT_CPU_LORAS = 32  # host-cached adapters when neither max_cpu_loras nor max_loras is set
+# Host adapter cache by default: on CPU the pool itself is host memory and holds every resident
+# adapter, so host copies only spare disk reads for adapters the pool evicted: a few suffice.
+# A device pool keeps S-LoRA's host tier: max(4 * max_loras, 16), or 32 without max_loras.
+CPU_HOST_LORAS = 2
+DEVICE_HOST_LORAS = 32
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -79,8 +83,9 @@ class EngineConfig:
     max_num_batched_tokens: packed tokens in one step (the chunked-prefill budget)
     max_loras:              cap on distinct adapters among running requests (base never
                             counts); None = no cap beyond the pool (resolved to num_pages)
-    max_cpu_loras:          adapters kept in host memory (LRU); None = max(4 * max_loras, 16),
-                            or 32 without max_loras
+    max_cpu_loras:          adapters kept in host memory (LRU); None = max(2, max_loras) for
+                            a CPU pool (the pool holds the resident ones), max(4 * max_loras,
+                            16) or 32 for a device pool (resolved with the model)
     num_pages:              pool size in pages; or give pool_memory_bytes or
                             pool_memory_fraction instead
     pool_memory_bytes:      pool size in bytes, converted with the model's page size
@@ -129,14 +134,11 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = (
-                max(4 * self.max_loras, 16) if self.max_loras else DEFAULT_CPU_LORAS
-            )
         if self.max_loras is None and self.num_pages is not None:
             self.max_loras = self.num_pages  # an adapter takes >= 1 page: the pool bounds it
         no_cap = self.num_pages is not None and self.max_loras >= self.num_pages
-        if self.max_loras is not None and not no_cap and self.max_cpu_loras < self.max_loras:
+        explicit = self.max_loras is not None and self.max_cpu_loras is not None and not no_cap
+        if explicit and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
@@ -151,7 +153,13 @@ class EngineConfig:
             pool_memory_bytes=None,
             pool_memory_fraction=None,
             max_model_len=self.model_len(manifest),
+            max_cpu_loras=self.max_cpu_loras or self._default_cpu_loras(manifest),
         )
+
+    def _default_cpu_loras(self, manifest: ModelManifest) -> int:
+        if manifest.device == "cpu":  # at least the capped step's adapters, as before
+            return max(CPU_HOST_LORAS, self.max_loras or 0)
+        return max(4 * self.max_loras, 16) if self.max_loras else DEVICE_HOST_LORAS
 
     def num_pages_for(self, manifest: ModelManifest) -> int:
         """Pool size in pages for this model (checks block_size and max_model_len against it)."""
