@@ -50,15 +50,16 @@ def _percentiles(name: str, values: np.ndarray) -> dict:
     return {f"{name}_p{p}_ms": float(np.percentile(values, p) * 1e3) for p in PERCENTILES}
 
 
-def peak_rss_mb(pid: int | str = "self") -> float | None:
-    """Peak resident memory (VmHWM) of a process in MiB, from /proc; None where unavailable.
+def peak_rss_mb(pid: int | str = "self", key: str = "VmHWM") -> float | None:
+    """Peak resident memory (VmHWM; key="VmRSS": the current one) of a process in MiB, from
+    /proc; None where unavailable.
 
     Not ru_maxrss: after fork + exec it still holds the parent's peak at fork time."""
     from pathlib import Path
 
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -100,10 +101,10 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def tree_peak_rss_mb(pid: int) -> float | None:
-    """Summed VmHWM of a process and its live descendants in MiB (an upper bound on their
-    joint peak: each one's own peak, whenever it came)."""
-    peaks = [peak_rss_mb(p) for p in process_tree(pid)]
+def tree_peak_rss_mb(pid: int, key: str = "VmHWM") -> float | None:
+    """Summed VmHWM (or `key`) of a process and its live descendants in MiB (an upper bound
+    on their joint peak: each one's own peak, whenever it came)."""
+    peaks = [peak_rss_mb(p, key) for p in process_tree(pid)]
     return sum(p for p in peaks if p is not None) or None
 
 

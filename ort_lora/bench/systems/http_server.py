@@ -26,9 +26,10 @@ def _free_port() -> int:
 
 
 def serve_command(model_dir: str, port: int, adapters: list[str]) -> list[str]:
-    """`ort-lora serve` with its default pool and max_loras, adapters named a0, a1, ..."""
+    """`ort-lora serve` with its default pool, max_loras and host adapter cache, adapters
+    named a0, a1, ..."""
     cmd = [sys.executable, "-m", "ort_lora.cli", "serve", model_dir, "--port", str(port)]
-    cmd += ["--log-level", "warning", "--max-cpu-loras", "48", "--max-num-seqs", "64"]
+    cmd += ["--log-level", "warning", "--max-num-seqs", "64"]
     if adapters:
         cmd += ["--lora-modules", *[f"a{i}={a}" for i, a in enumerate(adapters)]]
     return cmd
@@ -100,6 +101,7 @@ def measure_server(proc, url: str, workload: Workload, base_model=None, before_s
         extra = {"cpu_s": cpu_seconds(proc.pid) - cpu0}
         if before_stop is not None:
             before_stop()
+        extra["server_steady_rss_mb"] = tree_peak_rss_mb(proc.pid, "VmRSS")
         return times, {**extra, "server_peak_rss_mb": tree_peak_rss_mb(proc.pid)}
     finally:
         proc.terminate()

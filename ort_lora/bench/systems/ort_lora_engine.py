@@ -12,13 +12,13 @@ from ort_lora.config import page_bytes
 
 
 def build_engine(spec: RunSpec, workload: Workload):
-    """An LLMEngine on the export with the default pool and max_loras (max_cpu_loras 48, as
-    issue 7's runs had); spec.options["pool_bytes"] overrides the pool."""
+    """An LLMEngine on the export with the default pool, max_loras and host adapter cache;
+    spec.options["pool_bytes"] overrides the pool."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
 
     pool = {"pool_memory_bytes": spec.options["pool_bytes"]} if "pool_bytes" in spec.options else {}
-    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_cpu_loras=48, **pool)
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, **pool)
     return LLMEngine(spec.models["ort_lora"], config, intra_op_num_threads=spec.threads, seed=0)
 
 
