@@ -48,18 +48,20 @@ QUICK = Scale(
     trace=dict(n=8, rate=20.0, cv=1.0, prompt_range=(4, 12), output_range=(2, 8)),
 )
 
-# (system, label, pattern): the rows of the systems experiment
+# (system, label, pattern): the rows of the systems experiment, in the order they run: each
+# ort-lora row next to the vLLM row it is compared with (on a shared machine, runs close in
+# time see similar load)
 SYSTEM_ROWS = (
     ("ort-lora", "ort-lora mixed", "uniform"),
+    ("vllm", "vLLM mixed", "uniform"),
     ("ort-lora", "ort-lora base", "base"),
+    ("vllm", "vLLM base", "base"),
+    ("ort-lora-http", "ort-lora HTTP mixed", "uniform"),
+    ("vllm-http", "vLLM HTTP mixed", "uniform"),
     ("transformers", "transformers+PEFT mixed", "uniform"),
     ("transformers", "transformers base", "base"),
     ("genai", "onnxruntime-genai base", "base"),
     ("genai-multilora", "onnxruntime-genai multi-LoRA (grouped)", "uniform"),
-    ("ort-lora-http", "ort-lora HTTP mixed", "uniform"),
-    ("vllm", "vLLM mixed", "uniform"),
-    ("vllm", "vLLM base", "base"),
-    ("vllm-http", "vLLM HTTP mixed", "uniform"),
 )
 GENAI_SYSTEMS = ("genai", "genai-multilora")
 # systems that run from a venv of their own (peers.py): system -> peer
