@@ -27,6 +27,16 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments):
 Output:
   logits                     float32 [N, vocab]
 
+Attention, per layer: each layer's PagedAttention node (ours on CPU, com.microsoft's on CUDA,
+the same attributes) carries that layer's own attributes, so the inputs above serve every
+family: scale (Gemma: query_pre_attn_scalar ** -0.5, Granite: attention_multiplier, else
+1 / sqrt(head_dim)), softcap (Gemma 2's attn_logit_softcapping; 0 = off) and
+local_window_size (a sliding layer: sliding_window - 1; -1 = global). It reads its layer
+type's rotary tables: initializers cos_cache / sin_cache, plus cos_cache_local /
+sin_cache_local for Gemma 3's sliding layers (their own rope base); 2 * cos_cache.shape[1] is
+the rotary dimension, below head_dim for partial rotary (Phi-3). A model that uses none of
+these gets scale 1 / sqrt(head_dim), softcap 0 and window -1 in every layer.
+
 LoRA weight placement (what LoraSGMV reads): in layer l, the pool share of that layer is
 seen as one flat array, key_cache.{l} followed by value_cache.{l}. Row j of A (length in_m)
 of the adapter in slot s starts at element a_offsets[s, j]; row j of B^T (length out_m) at

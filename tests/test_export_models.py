@@ -34,6 +34,15 @@ CASES = {
     "qwen2_bias": ("qwen2", {}),
     "qwen3_qk_norm": ("qwen3", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # tiny.TINY_FAMILY gives each of these every feature of its family: Gemma's sliding and
+    # global layers, soft-capping, GeGLU, (1 + w) norms, Gemma 3's local rope base and q/k
+    # norms, Phi-3's fused modules, partial rotary and LongRoPE (long factors: every sequence
+    # here is longer than its original context), Granite's four multipliers
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3_longrope": ("phi3", {}),
+    "phi3_window": ("phi3", {"sliding_window": 5, "rope_scaling": None}),
+    "granite": ("granite", {}),
 }
 
 

@@ -1,13 +1,20 @@
 """The decoder-only graph shared by every architecture family (see contract.py for I/O).
 
-    input_ids ─ Gather(embed) ─┬──────────────── residual ───────────────┐
-                               └ RMSNorm ─ q/k/v MatMul(+bias) ─ LoraSGMV ─ PagedAttention
-        ─ o MatMul ─ LoraSGMV ─ SkipRMSNorm(+residual) ─ gate/up MatMul ─ LoraSGMV
-        ─ SiLU(gate)*up ─ down MatMul ─ LoraSGMV ─ (next layer's SkipRMSNorm) ...
+    input_ids ─ Gather(embed) [─ Mul] ─┬──────────────── residual ───────────────┐
+        └ RMSNorm ─ q/k/v MatMul(+bias) ─ LoraSGMV [─ q/k RMSNorm] ─ PagedAttention
+        ─ o MatMul ─ LoraSGMV [─ attention_output] ─ SkipRMSNorm(+residual) ─ gate/up MatMul
+        ─ LoraSGMV ─ act(gate)*up ─ down MatMul ─ LoraSGMV [─ mlp_output]
+        ─ (next layer's SkipRMSNorm) ...
     last layer: Gather(logits_indices) on both the output and the residual ─ SkipRMSNorm
-        ─ lm_head Gemm(transB) ─ logits
+        ─ lm_head Gemm(transB) [─ Div(logits_scaling)] [─ Div ─ Tanh ─ Mul (soft-capping)]
+        ─ logits
 
-Families override two hooks: `attention_window` (Mistral) and `qk_norm` (Qwen3).
+Numbers come from ArchConfig: a bracketed node exists only when the config asks for it
+(embedding / residual multipliers, logits scaling, final soft-capping), and PagedAttention's
+scale, softcap and local_window_size attributes carry the attention ones, so a model that
+uses none of them gets the plain Llama graph. Structure comes from family hooks (families.py):
+`projection_weight` (fused checkpoint modules), `norm_weight` (Gemma's 1 + w), `qk_norm`,
+`attention_output` / `mlp_output` (what joins the residual stream) and `pre_mlp_norm`.
 """
 
 from __future__ import annotations
@@ -51,16 +58,36 @@ class DecoderBuilder:
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> str:
         """Checkpoint tensor `name` (checked to be `shape`) as an initializer of the graph."""
+        return self.initializer_from(name, self.read(name), shape, transpose)
+
+    def read(self, name: str):
+        """Checkpoint tensor `name` (counted by the progress bar)."""
         tensor = self.src.get(name)
+        if self.progress is not None:
+            self.progress.update(1)
+        return tensor
+
+    def initializer_from(self, name: str, tensor, shape: tuple, transpose: bool = False) -> str:
+        """`tensor` (checked to be `shape`) as initializer `name` in the graph's dtype."""
         if tuple(tensor.shape) != tuple(shape):
             raise ExportError(
                 f"tensor {name} has shape {list(tensor.shape)}; the config implies {list(shape)}"
             )
-        data = to_numpy(tensor, self.dtype, transpose)
-        del tensor
-        if self.progress is not None:
-            self.progress.update(1)
-        return self.g.initializer(name, data, self.dtype)
+        return self.g.initializer(name, to_numpy(tensor, self.dtype, transpose), self.dtype)
+
+    def scalar(self, name: str, value: float, dtype: str | None = None) -> str:
+        """A scalar initializer, rounded to `dtype` (default: the graph's) as the model does."""
+        import torch
+
+        dtype = dtype or self.dtype
+        return self.g.initializer(name, to_numpy(torch.tensor(float(value)), dtype), dtype)
+
+    def scaled(self, x: str, factor: float, name: str, dtype: str | None = None) -> str:
+        """x * factor; no node when factor is 1."""
+        if factor == 1.0:
+            return x
+        (y,) = self.g.node("Mul", [x, self.scalar(f"{name}/factor", factor, dtype)], name)
+        return y
 
     # ---- graph inputs -----------------------------------------------------------------------
     def declare_inputs(self) -> None:
@@ -92,7 +119,7 @@ class DecoderBuilder:
         sizes = self.cfg.module_sizes()[module]
         hf = f"model.layers.{layer}.{prefix}.{module}"
         name = f"/model/layers.{layer}/{prefix}/{module}"
-        w = self.weight(f"{hf}.weight", (sizes["out"], sizes["in"]), transpose=True)
+        w = self.projection_weight(layer, prefix, module)  # [in, out]
         (y,) = self.g.node("MatMul", [x, w], f"{name}/MatMul")  # [T, out]
         if self.src.has(f"{hf}.bias"):
             b = self.weight(f"{hf}.bias", (sizes["out"],))
@@ -114,7 +141,7 @@ class DecoderBuilder:
         return y  # [T, out]
 
     def rms_norm(self, x: str, weight: str, name: str, size: int) -> str:
-        w = self.weight(weight, (size,))
+        w = self.norm_weight(weight, size)
         (y,) = self.g.node(
             "SimplifiedLayerNormalization",
             [x, w],
@@ -127,7 +154,7 @@ class DecoderBuilder:
 
     def skip_rms_norm(self, x: str, skip: str, weight: str, name: str) -> tuple[str, str]:
         """(norm(x + skip), x + skip)."""
-        w = self.weight(weight, (self.cfg.hidden_size,))
+        w = self.norm_weight(weight, self.cfg.hidden_size)
         outs = self.g.node(
             "SkipSimplifiedLayerNormalization",
             [x, skip, w],
@@ -140,13 +167,58 @@ class DecoderBuilder:
         node.output[1], node.output[2] = "", ""
         return outs[0], outs[3]
 
+    def head_norms(self, layer: int, q: str, k: str) -> tuple[str, str]:
+        """Per-head RMSNorm of q and k (weights self_attn.q_norm / k_norm, [head_dim])."""
+        return self._head_norm(layer, q, "q_norm"), self._head_norm(layer, k, "k_norm")
+
+    def _head_norm(self, layer: int, x: str, which: str) -> str:
+        g, hd = self.g, self.cfg.head_dim
+        name = f"/model/layers.{layer}/self_attn/{which}"
+        heads = g.constant_i64(f"{name}/heads_shape", [-1, hd])
+        (per_head,) = g.node("Reshape", [x, heads], f"{name}/Reshape")  # [T * heads, hd]
+        normed = self.rms_norm(
+            per_head,
+            f"model.layers.{layer}.self_attn.{which}.weight",
+            f"{name}/SimplifiedLayerNormalization",
+            hd,
+        )
+        (shape,) = g.node("Shape", [x], f"{name}/Shape")  # [2]: T, heads * hd
+        (y,) = g.node("Reshape", [normed, shape], f"{name}/Reshape_back")  # [T, heads * hd]
+        return y
+
     # ---- family hooks -----------------------------------------------------------------------
-    def attention_window(self) -> int:
-        """PagedAttention local_window_size: -1 = global attention."""
-        return -1
+    pre_mlp_norm = "post_attention_layernorm"  # the norm between attention and MLP
+
+    def projection_weight(self, layer: int, prefix: str, module: str) -> str:
+        """The initializer [in, out] of a linear module's weight (checkpoint: [out, in])."""
+        sizes = self.cfg.module_sizes()[module]
+        name = f"model.layers.{layer}.{prefix}.{module}.weight"
+        return self.weight(name, (sizes["out"], sizes["in"]), transpose=True)
+
+    def norm_weight(self, name: str, size: int) -> str:
+        """The initializer [size] an RMSNorm multiplies by."""
+        return self.weight(name, (size,))
+
+    def attention_window(self, layer: int) -> int:
+        """PagedAttention local_window_size of `layer`: -1 = global attention. HF's
+        sliding_window W means W visible keys including the token itself; the op's
+        local_window_size w means keys j >= p - w are visible (w + 1 keys)."""
+        window = self.cfg.window(layer)
+        return -1 if window is None else window - 1
 
     def qk_norm(self, layer: int, q: str, k: str) -> tuple[str, str]:
         return q, k
+
+    def attention_output(self, layer: int, attn: str) -> str:
+        """What the attention block adds to the residual stream."""
+        name = f"/model/layers.{layer}/self_attn/residual_multiplier"
+        return self.scaled(attn, self.cfg.residual_multiplier, name)
+
+    def mlp_output(self, layer: int, y: str) -> str:
+        """What the MLP block adds to the residual stream."""
+        return self.scaled(
+            y, self.cfg.residual_multiplier, f"/model/layers.{layer}/mlp/residual_multiplier"
+        )
 
     # ---- layers -----------------------------------------------------------------------------
     def attention(self, layer: int, h: str, cos: str, sin: str) -> str:
@@ -181,11 +253,11 @@ class DecoderBuilder:
             domain=domain,
             num_heads=cfg.num_heads,
             kv_num_heads=cfg.num_kv_heads,
-            scale=1.0 / math.sqrt(cfg.head_dim),
+            scale=cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim),
             do_rotary=1,
             rotary_interleaved=0,
-            local_window_size=self.attention_window(),
-            softcap=0.0,
+            local_window_size=self.attention_window(layer),
+            softcap=cfg.attn_softcap or 0.0,
         )  # [T, heads * head_dim]
         return self.linear(layer, attn, "self_attn", "o_proj")  # [T, hidden]
 
@@ -193,10 +265,15 @@ class DecoderBuilder:
         name = f"/model/layers.{layer}/mlp"
         gate = self.linear(layer, h, "mlp", "gate_proj")  # [T, inter]
         up = self.linear(layer, h, "mlp", "up_proj")  # [T, inter]
-        (sig,) = self.g.node("Sigmoid", [gate], f"{name}/act/Sigmoid")
-        (act,) = self.g.node("Mul", [gate, sig], f"{name}/act/Mul")
-        (prod,) = self.g.node("Mul", [act, up], f"{name}/Mul")
+        (prod,) = self.g.node("Mul", [self.activation(gate, f"{name}/act"), up], f"{name}/Mul")
         return self.linear(layer, prod, "mlp", "down_proj")  # [T, hidden]
+
+    def activation(self, x: str, name: str) -> str:
+        """SiLU, or GELU with the tanh approximation (ORT's FastGelu) for gelu_pytorch_tanh."""
+        if self.cfg.activation == "gelu_pytorch_tanh":
+            return self.g.node("FastGelu", [x], f"{name}/FastGelu", domain=MSFT)[0]
+        (sig,) = self.g.node("Sigmoid", [x], f"{name}/Sigmoid")
+        return self.g.node("Mul", [x, sig], f"{name}/Mul")[0]
 
     def decoder_layer(self, layer: int, x: str, residual: str | None, rope) -> tuple[str, str]:
         """(layer output before its residual add, residual stream)."""
@@ -213,27 +290,32 @@ class DecoderBuilder:
             h, residual = self.skip_rms_norm(
                 x, residual, f"{prefix}.input_layernorm.weight", f"{name}/input_layernorm"
             )
-        attn = self.attention(layer, h, *rope)
+        attn = self.attention_output(layer, self.attention(layer, h, *rope))
+        norm = self.pre_mlp_norm
         h, residual = self.skip_rms_norm(
-            attn,
-            residual,
-            f"{prefix}.post_attention_layernorm.weight",
-            f"{name}/post_attention_layernorm",
+            attn, residual, f"{prefix}.{norm}.weight", f"{name}/{norm}"
         )
-        return self.mlp(layer, h), residual
+        return self.mlp_output(layer, self.mlp(layer, h)), residual
 
-    def rope_caches(self) -> tuple[str, str]:
+    def rope_caches(self) -> dict[str, tuple[str, str]]:
+        """(cos, sin) initializers [max_pos, rotary_dim / 2] by layer type: one pair, or with
+        local_rope_theta (Gemma 3) a second pair for the sliding layers."""
         cfg = self.cfg
-        cos, sin = cos_sin_cache(
-            cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-        )  # [max_pos, head_dim / 2]
+        main = self._rope_cache("", cfg.rope_theta, cfg.rope_scaling)
+        caches = {"full_attention": main, "sliding_attention": main}
+        if cfg.local_rope_theta is not None:
+            caches["sliding_attention"] = self._rope_cache("_local", cfg.local_rope_theta, None)
+        return caches
+
+    def _rope_cache(self, suffix: str, theta: float, scaling: dict | None) -> tuple[str, str]:
         import torch
 
-        cos = to_numpy(torch.from_numpy(cos), self.dtype)
-        sin = to_numpy(torch.from_numpy(sin), self.dtype)
+        cfg = self.cfg
+        tables = cos_sin_cache(cfg.max_position_embeddings, cfg.rotary_dim, theta, scaling)
+        cos, sin = (to_numpy(torch.from_numpy(t), self.dtype) for t in tables)
         return (
-            self.g.initializer("cos_cache", cos, self.dtype),
-            self.g.initializer("sin_cache", sin, self.dtype),
+            self.g.initializer(f"cos_cache{suffix}", cos, self.dtype),
+            self.g.initializer(f"sin_cache{suffix}", sin, self.dtype),
         )
 
     def lm_head(self, x: str, residual: str) -> None:
@@ -251,17 +333,33 @@ class DecoderBuilder:
         (logits,) = g.node("Gemm", [h, head], "/lm_head/Gemm", transB=1)  # [N, vocab]
         if self.dtype != "float32":
             (logits,) = g.node("Cast", [logits], "/lm_head/Cast", to=1)
+        logits = self.final_logits(logits)  # [N, vocab] float32
         g.rename_output(logits, C.LOGITS)
         g.output(C.LOGITS, "float32", ["N", cfg.vocab_size])
+
+    def final_logits(self, logits: str) -> str:
+        """logits / logits_scaling, then cap * tanh(logits / cap); no node for neutral values."""
+        cfg, g = self.cfg, self.g
+        if cfg.logits_scaling != 1.0:
+            divisor = self.scalar("/lm_head/logits_scaling", cfg.logits_scaling, "float32")
+            (logits,) = g.node("Div", [logits, divisor], "/lm_head/logits_scaling/Div")
+        if cfg.final_softcap:
+            cap = self.scalar("/lm_head/softcap", cfg.final_softcap, "float32")
+            (x,) = g.node("Div", [logits, cap], "/lm_head/softcap/Div")
+            (x,) = g.node("Tanh", [x], "/lm_head/softcap/Tanh")
+            (logits,) = g.node("Mul", [x, cap], "/lm_head/softcap/Mul")
+        return logits
 
     def build(self) -> None:
         cfg = self.cfg
         self.declare_inputs()
         embed = self.weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         (x,) = self.g.node("Gather", [embed, C.INPUT_IDS], "/model/embed_tokens/Gather")
-        rope = self.rope_caches()
+        x = self.scaled(x, cfg.embedding_multiplier, "/model/embed_tokens/Mul")  # [T, hidden]
+        ropes = self.rope_caches()
         residual = None
         for layer in range(cfg.num_layers):
+            rope = ropes[cfg.layer_types[layer]]
             x, residual = self.decoder_layer(layer, x, residual, rope)  # [T, hidden] each
         self.lm_head(x, residual)
 

@@ -183,6 +183,10 @@ def _check_cuda_attention(cfg: ArchConfig, block_size: int) -> None:
             f"head_dim {cfg.head_dim}: ORT's CUDA PagedAttention with rotary embeddings needs a "
             "multiple of 16; this model cannot be exported for --device cuda"
         )
+    if cfg.rotary_dim % 16:  # partial rotary (Phi-3): cos_cache columns a multiple of 8
+        raise ExportError(
+            f"rotary dimension {cfg.rotary_dim}: ORT's CUDA PagedAttention needs a multiple of 16"
+        )
 
 
 def _check_extra(extra: dict | None) -> dict:

@@ -1,8 +1,14 @@
-"""One small builder per architecture family; the shared graph lives in decoder.py."""
+"""One small builder per architecture family; the shared graph lives in decoder.py.
+
+A family's numbers (windows, soft-capping, multipliers, partial rotary, rope scaling) are read
+into ArchConfig by family_config.py and need no code here; a class overrides a decoder hook
+only where the graph's structure differs. docs/ADDING_A_FAMILY.md walks through adding one.
+"""
 
 from __future__ import annotations
 
 from ort_lora.export.decoder import DecoderBuilder
+from ort_lora.export.errors import ExportError
 
 
 class LlamaBuilder(DecoderBuilder):
@@ -10,13 +16,7 @@ class LlamaBuilder(DecoderBuilder):
 
 
 class MistralBuilder(DecoderBuilder):
-    """Mistral: sliding-window attention."""
-
-    def attention_window(self) -> int:
-        # HF's sliding_window W means W visible keys including the token itself; the op's
-        # local_window_size w means keys j >= p - w are visible (w + 1 keys).
-        window = self.cfg.sliding_window
-        return -1 if window is None else window - 1
+    """Mistral: sliding-window attention on every layer (ArchConfig.sliding_window)."""
 
 
 class Qwen2Builder(DecoderBuilder):
@@ -27,22 +27,78 @@ class Qwen3Builder(DecoderBuilder):
     """Qwen3: per-head RMSNorm on q and k after their projections, before rotary."""
 
     def qk_norm(self, layer: int, q: str, k: str) -> tuple[str, str]:
-        return self._head_norm(layer, q, "q_norm"), self._head_norm(layer, k, "k_norm")
+        return self.head_norms(layer, q, k)
 
-    def _head_norm(self, layer: int, x: str, which: str) -> str:
-        g, hd = self.g, self.cfg.head_dim
-        name = f"/model/layers.{layer}/self_attn/{which}"
-        heads = g.constant_i64(f"{name}/heads_shape", [-1, hd])
-        (per_head,) = g.node("Reshape", [x, heads], f"{name}/Reshape")  # [T * heads, hd]
-        normed = self.rms_norm(
-            per_head,
-            f"model.layers.{layer}.self_attn.{which}.weight",
-            f"{name}/SimplifiedLayerNormalization",
-            hd,
-        )
-        (shape,) = g.node("Shape", [x], f"{name}/Shape")  # [2]: T, heads * hd
-        (y,) = g.node("Reshape", [normed, shape], f"{name}/Reshape_back")  # [T, heads * hd]
-        return y
+
+class GraniteBuilder(DecoderBuilder):
+    """Granite 3.x: the Llama graph with the embedding, residual, attention and logits
+    multipliers of its config (ArchConfig: embedding_multiplier, residual_multiplier,
+    attention_scale, logits_scaling)."""
+
+
+class Gemma2Builder(DecoderBuilder):
+    """Gemma 2: RMSNorm weights are offsets from 1, a norm after attention and after the MLP
+    (before each joins the residual stream) and one before the MLP. Embedding scaling, GeGLU,
+    query_pre_attn_scalar, soft-capping and alternating sliding / global layers are config."""
+
+    pre_mlp_norm = "pre_feedforward_layernorm"
+
+    def norm_weight(self, name: str, size: int) -> str:
+        return self.initializer_from(name, 1.0 + self.read(name).float(), (size,))
+
+    def attention_output(self, layer: int, attn: str) -> str:
+        return self._post_norm(layer, attn, "post_attention_layernorm")
+
+    def mlp_output(self, layer: int, y: str) -> str:
+        return self._post_norm(layer, y, "post_feedforward_layernorm")
+
+    def _post_norm(self, layer: int, x: str, which: str) -> str:
+        weight = f"model.layers.{layer}.{which}.weight"
+        return self.rms_norm(x, weight, f"/model/layers.{layer}/{which}", self.cfg.hidden_size)
+
+
+class Gemma3Builder(Gemma2Builder):
+    """Gemma 3 (text): Gemma 2 plus per-head q/k norms; its sliding layers' own rope base is
+    config (ArchConfig.local_rope_theta: a second cos/sin cache)."""
+
+    def qk_norm(self, layer: int, q: str, k: str) -> tuple[str, str]:
+        return self.head_norms(layer, q, k)
+
+
+class Phi3Builder(DecoderBuilder):
+    """Phi-3 / Phi-3.5 / Phi-4(-mini): the checkpoint fuses q/k/v into qkv_proj and gate/up
+    into gate_up_proj. The graph keeps the seven modules of the other families: each part's
+    weight is its row slice of the fused tensor (ArchConfig.fused_modules gives the order),
+    so LoRA targets, kernels and adapters on fused modules (adapters/fused.py) stay simple."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fused: tuple[str, object] = ("", None)  # the fused tensor last read, by name
+
+    def projection_weight(self, layer: int, prefix: str, module: str) -> str:
+        fused = [f for f, parts in self.cfg.fused_modules.items() if module in parts]
+        if not fused:
+            return super().projection_weight(layer, prefix, module)
+        sizes = self.cfg.module_sizes()
+        parts = self.cfg.fused_modules[fused[0]]
+        tensor = self._fused_tensor(f"model.layers.{layer}.{prefix}.{fused[0]}.weight", parts)
+        start = sum(sizes[p]["out"] for p in parts[: parts.index(module)])
+        rows = tensor[start : start + sizes[module]["out"]]  # [out, in]
+        name = f"model.layers.{layer}.{prefix}.{module}.weight"
+        return self.initializer_from(name, rows, (sizes[module]["out"], sizes[module]["in"]), True)
+
+    def _fused_tensor(self, name: str, parts: list[str]):
+        if self._fused[0] != name:
+            tensor = self.read(name)
+            sizes = self.cfg.module_sizes()
+            shape = (sum(sizes[p]["out"] for p in parts), sizes[parts[0]]["in"])
+            if tuple(tensor.shape) != shape:
+                raise ExportError(
+                    f"tensor {name} has shape {list(tensor.shape)}; the config implies "
+                    f"{list(shape)} ({' + '.join(parts)} rows)"
+                )
+            self._fused = (name, tensor)
+        return self._fused[1]
 
 
 BUILDERS = {
@@ -50,4 +106,8 @@ BUILDERS = {
     "mistral": MistralBuilder,
     "qwen2": Qwen2Builder,
     "qwen3": Qwen3Builder,
+    "gemma2": Gemma2Builder,
+    "gemma3": Gemma3Builder,
+    "phi3": Phi3Builder,
+    "granite": GraniteBuilder,
 }

@@ -12,7 +12,7 @@ import importlib
 import json
 from pathlib import Path
 
-from ort_lora.export.arch import resolve_architecture
+from ort_lora.export.arch import arch_config
 from ort_lora.export.errors import ExportError
 
 
@@ -42,7 +42,7 @@ class SafetensorsDirSource(CheckpointSource):
 
         self.path = path
         self.config = _read_json(path / "config.json")
-        resolve_architecture(self.config)  # fail on an unsupported model before reading weights
+        arch_config(self.config)  # fail on an unsupported model before reading weights
         gen = path / "generation_config.json"
         self.generation_config = _read_json(gen) if gen.is_file() else {}
         files = sorted(path.glob("*.safetensors"))
