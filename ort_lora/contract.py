@@ -47,6 +47,12 @@ Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" in a f
 pool: then rows are bfloat16, two per pool element (the first in its low 16 bits), a row of n
 values occupies ceil(n / 2) pool elements from its offset, and every LoraSGMV node carries the
 attribute adapter_dtype = 16 (TensorProto.BFLOAT16). Offsets still count pool elements.
+
+Fused checkpoint modules (manifest.fused_modules, e.g. Phi-3's qkv_proj -> q_proj, k_proj,
+v_proj): the graph has the separate target modules, whose weights are row slices of the fused
+one, in the listed order. A PEFT adapter on the fused module (A [r, in], B [sum of outs, r])
+is served as the same A on every part with B's row slice of that part, at the fused module's
+rank and scaling: exactly the fused delta, row by row (adapters/fused.py).
 """
 
 from __future__ import annotations
@@ -117,6 +123,8 @@ class ModelManifest:
     source: str = ""
     extra: dict = field(default_factory=dict)
     adapter_dtype: str | None = None  # None: the pool's dtype; "bfloat16" rows in a float32 pool
+    # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
+    fused_modules: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.adapter_dtype not in (None, "bfloat16") or (
@@ -127,6 +135,7 @@ class ModelManifest:
                 "(adapter rows in the pool's dtype) or 'bfloat16' with a float32 pool"
             )
         unknown = set(self.lora_targets) - set(LORA_MODULES)
+        unknown |= {p for parts in self.fused_modules.values() for p in parts} - set(LORA_MODULES)
         if unknown:
             raise ValueError(
                 f"unknown LoRA target modules {sorted(unknown)}; "

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.adapters.errors import AdapterError
+from ort_lora.adapters.fused import module_dims, module_parts, split_fused
 from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
 from ort_lora.adapters.safetensors_io import load_float32
 from ort_lora.contract import LORA_MODULES, ModelManifest
@@ -129,14 +130,16 @@ def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, wher
 
 
 def _check_target(tname, key, module, layer, config, manifest, where) -> None:
-    if module not in LORA_MODULES:
+    parts = module_parts(manifest, module)  # [module], or a fused module's parts (Phi-3)
+    if any(p not in LORA_MODULES for p in parts):
         raise AdapterError(
-            f"{where}: tensor {tname!r} targets module {module!r}; "
-            f"supported LoRA modules are {list(LORA_MODULES)}"
+            f"{where}: tensor {tname!r} targets module {module!r}; supported LoRA modules are "
+            f"{list(LORA_MODULES) + list(manifest.fused_modules)}"
         )
-    if module not in manifest.lora_targets:
+    if any(p not in manifest.lora_targets for p in parts):
+        missing = ", ".join(repr(p) for p in parts if p not in manifest.lora_targets)
         raise AdapterError(
-            f"{where}: tensor {tname!r} targets {module!r}, which the exported model does not "
+            f"{where}: tensor {tname!r} targets {missing}, which the exported model does not "
             f"target (exported LoRA targets: {sorted(manifest.lora_targets)}); re-export with it"
         )
     if not 0 <= layer < manifest.num_layers:
@@ -152,7 +155,7 @@ def _check_target(tname, key, module, layer, config, manifest, where) -> None:
 
 
 def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
-    dims = manifest.lora_targets[module]
+    dims = module_dims(manifest, module)
     (a_name, a), (b_name, b) = ab["A"], ab["B"]
     if a.shape != (rank, dims["in"]):
         raise AdapterError(
@@ -167,6 +170,7 @@ def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
 
 
 def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest) -> dict:
+    pairs = split_fused(pairs, manifest)  # LoRA on fused modules onto their parts
     modules = {}
     num_layers = manifest.num_layers
     for module in LORA_MODULES:

@@ -58,7 +58,8 @@ class PeftLoraConfig:
         tm = self.target_modules
         if isinstance(tm, str):
             if tm.lower() == ALL_LINEAR:
-                return key.rsplit(".", 1)[-1] in LLAMA_LINEAR_MODULES
+                # + Phi-3's fused modules (adapters/fused.py maps them onto their parts)
+                return key.rsplit(".", 1)[-1] in LLAMA_LINEAR_MODULES + ("qkv_proj", "gate_up_proj")
             return re.fullmatch(tm, key) is not None
         if key in tm:
             return True

@@ -49,6 +49,7 @@ def make_manifest(cfg: ArchConfig, source: CheckpointSource, options: dict) -> M
         source=str(source.path),
         extra=dict(options.get("extra") or {}),
         adapter_dtype=options.get("adapter_dtype"),
+        fused_modules=cfg.fused_modules,
     )
 
 
