@@ -86,4 +86,19 @@ def verify_export(model_path, out_dir, *, num_prompts: int = 3, steps: int = 8) 
     pages = max(-(-(len(p) + steps) // manifest.block_size) for p in prompts)
     runner = ModelRunner(ModelSession(out_dir, num_pages=pages))
     reference = load_reference(model_path)
+    use_long_rope_factors(reference, manifest.max_position_embeddings)
     return max(compare_greedy(reference, runner, p, steps) for p in prompts)
+
+
+def use_long_rope_factors(model, context: int) -> None:
+    """An export serving more than LongRoPE's original context rotates every position with the
+    long factors (rope.py), as transformers does for sequences longer than the original only:
+    give the reference the long factors for shorter ones too (its own long-context path)."""
+    params = getattr(model.config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return
+    if context <= params["original_max_position_embeddings"]:
+        return
+    params["short_factor"] = list(params["long_factor"])
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config)
