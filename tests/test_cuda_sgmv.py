@@ -123,16 +123,8 @@ def check_against_reference(rt, dtype: str, ranks: list[int], layout: str, in_pl
 def test_bad_offset_is_a_clear_error():
     rt = runtime_or_skip(need_device=True)
     rng = np.random.default_rng(5)
-    placed = place_random_adapters(rng, [4], 64, 64)
+    placed, meta = one_adapter_case(rng)
     placed.a_offsets[0, 2] = 10**9
-    meta = {
-        "seg_starts": np.array([0, 3], np.int32),
-        "seg_slots": np.array([0], np.int32),
-        "a_offsets": placed.a_offsets,
-        "b_offsets": placed.b_offsets,
-        "ranks": np.array([[4]], np.int32),
-        "scales": np.array([[1.0]], np.float32),
-    }
     x = rng.standard_normal((3, 64)).astype(np.float16)
     with pytest.raises(ValueError, match=r"a_offsets\[0, 2\] = 1000000000 is an out-of-range"):
         lora_sgmv_numpy(rt, "float16", x, x, placed.key_cache.astype(np.float16),
@@ -169,7 +161,15 @@ def test_a_null_stream_is_refused_before_any_cuda_call():
     """Needs no device: the metadata is checked on the host (pool addresses are only added to,
     never read), then the null stream is refused before the first CUDA call."""
     rt = runtime_or_skip(need_device=False)
-    rng = np.random.default_rng(6)
+    placed, meta = one_adapter_case(np.random.default_rng(6))
+    half = placed.key_cache.size
+    with pytest.raises(ValueError, match="the CUDA stream is null: LoraSGMV.CUDA. runs only on"):
+        lora_sgmv_ptrs(rt, "float16", 1 << 20, 2 << 20, 3 << 20, 1 << 30, (1 << 30) + 2 * half,
+                       half, meta, 0, 3, 64, 64, stream=0)  # fmt: skip
+
+
+def one_adapter_case(rng):
+    """(placed, meta): one rank-4 adapter (64 -> 64) in slot 0, one segment of 3 rows."""
     placed = place_random_adapters(rng, [4], 64, 64)
     meta = {
         "seg_starts": np.array([0, 3], np.int32),
@@ -179,7 +179,4 @@ def test_a_null_stream_is_refused_before_any_cuda_call():
         "ranks": np.array([[4]], np.int32),
         "scales": np.array([[1.0]], np.float32),
     }
-    half = placed.key_cache.size
-    with pytest.raises(ValueError, match="the CUDA stream is null: LoraSGMV.CUDA. runs only on"):
-        lora_sgmv_ptrs(rt, "float16", 1 << 20, 2 << 20, 3 << 20, 4 << 30, 4 << 30 + 2 * half,
-                       half, meta, 0, 3, 64, 64, stream=0)  # fmt: skip
+    return placed, meta

@@ -46,6 +46,17 @@ void* Allocate(std::set<void*>& live, size_t bytes) {
   return p;
 }
 
+// Logs `call`, then runs body(runtime, event) under the lock; an unknown event is an error.
+template <typename Body>
+cudaError_t OnEvent(const char* call, cudaEvent_t event, const void* stream, Body body) {
+  Runtime& rt = Rt();
+  const std::lock_guard<std::mutex> lock(rt.mu);
+  Log(rt, call, stream);
+  auto* e = reinterpret_cast<EmuEvent*>(event);
+  if (rt.events.count(e) == 0) return cudaErrorInvalidValue;
+  return body(rt, e);
+}
+
 cudaError_t Release(std::set<void*>& live, void* p) {
   if (live.erase(p) == 0) return cudaErrorInvalidValue;
   std::free(p);
@@ -135,42 +146,31 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  Runtime& rt = Rt();
-  const std::lock_guard<std::mutex> lock(rt.mu);
-  Log(rt, "cudaEventDestroy", nullptr);
-  auto* e = reinterpret_cast<EmuEvent*>(event);
-  if (rt.events.erase(e) == 0) return cudaErrorInvalidValue;
-  delete e;
-  return cudaSuccess;
+  return OnEvent("cudaEventDestroy", event, nullptr, [](Runtime& rt, EmuEvent* e) {
+    rt.events.erase(e);
+    delete e;
+    return cudaSuccess;
+  });
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
-  Runtime& rt = Rt();
-  const std::lock_guard<std::mutex> lock(rt.mu);
-  Log(rt, "cudaEventRecord", stream);
-  auto* e = reinterpret_cast<EmuEvent*>(event);
-  if (rt.events.count(e) == 0) return cudaErrorInvalidValue;
-  e->pending = rt.pending_events;
-  return cudaSuccess;
+  return OnEvent("cudaEventRecord", event, stream, [](Runtime& rt, EmuEvent* e) {
+    e->pending = rt.pending_events;
+    return cudaSuccess;
+  });
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-  Runtime& rt = Rt();
-  const std::lock_guard<std::mutex> lock(rt.mu);
-  Log(rt, "cudaEventQuery", nullptr);
-  auto* e = reinterpret_cast<EmuEvent*>(event);
-  if (rt.events.count(e) == 0) return cudaErrorInvalidValue;
-  return e->pending ? cudaErrorNotReady : cudaSuccess;
+  return OnEvent("cudaEventQuery", event, nullptr, [](Runtime&, EmuEvent* e) {
+    return e->pending ? cudaErrorNotReady : cudaSuccess;
+  });
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-  Runtime& rt = Rt();
-  const std::lock_guard<std::mutex> lock(rt.mu);
-  Log(rt, "cudaEventSynchronize", nullptr);
-  auto* e = reinterpret_cast<EmuEvent*>(event);
-  if (rt.events.count(e) == 0) return cudaErrorInvalidValue;
-  e->pending = false;
-  return cudaSuccess;
+  return OnEvent("cudaEventSynchronize", event, nullptr, [](Runtime&, EmuEvent* e) {
+    e->pending = false;
+    return cudaSuccess;
+  });
 }
 
 #define ORT_LORA_EMU_C extern "C" __attribute__((visibility("default")))
