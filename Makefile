@@ -1,12 +1,13 @@
 # The two commands of the README:
 #   make serve   set everything up on a fresh machine, then serve the default model + demo adapters
 #   make test    set everything up, build the op library, run style checks and the tests
+# Longer checks: make fuzz (SCALE=10: 10x the fuzzing of `make test`), make soak (SOAK_ARGS=...)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ort-lora-installed
 
-.PHONY: setup serve test lint format
+.PHONY: setup serve test lint format fuzz soak
 
 $(STAMP): pyproject.toml CMakeLists.txt
 	python3 -m venv $(VENV)
@@ -34,3 +35,10 @@ format: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# The reliability suite's long modes (bounded versions run in `make test`; docs/RELIABILITY.md)
+fuzz: setup
+	ORT_LORA_FUZZ_SCALE=$${SCALE:-10} $(PY) -m pytest -q tests/reliability
+
+soak: setup
+	$(PY) tests/reliability/soak.py $(SOAK_ARGS)

@@ -217,3 +217,19 @@ class EngineConfig:
 def _check_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def fit_context(config: EngineConfig, explicit: bool) -> EngineConfig:
+    """A pool must hold one request of max_model_len tokens (vLLM refuses to start
+    otherwise): an explicit max_model_len that does not fit is refused here, at start; the
+    model's own limit is lowered to what the pool holds."""
+    pages = -(-config.max_model_len // config.block_size)
+    if pages <= config.num_pages:
+        return config
+    if explicit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} needs {pages} KV pages of "
+            f"{config.block_size} tokens; the pool has {config.num_pages}: grow the pool "
+            "(num_pages / pool_memory_bytes) or lower max_model_len"
+        )
+    return replace(config, max_model_len=config.num_pages * config.block_size)

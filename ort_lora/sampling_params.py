@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from ort_lora.errors import RequestError
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
+MAX_SEED = 2**64 - 1  # numpy's generators take seeds in [0, 2^64), as vLLM's API bounds them
+MAX_INT = 2**63 - 1  # every other integer must fit the int64 the sampler holds it in
 
 
 @dataclass
@@ -49,10 +54,14 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise RequestError(
+                f"stop must be a string or a list of strings, got {self.stop!r}", "stop"
+            )
         ids = self.stop_token_ids
         if ids is not None and not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise RequestError(
+                f"stop_token_ids must be a list of token ids, got {ids!r}", "stop_token_ids"
+            )
         self.stop_token_ids = list(ids or [])
         if self.top_k == 0:
             self.top_k = -1
@@ -64,7 +73,7 @@ class SamplingParams:
         _check_int("n", self.n, 1)
         _check_int("top_k", self.top_k, -1, hint="-1 or 0 (disabled) or >= 1")
         if self.seed is not None:
-            _check_int("seed", self.seed, None)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         if self.logprobs is not None:
@@ -85,7 +94,7 @@ class SamplingParams:
     def _check_stops(self):
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, 0)
 
@@ -102,16 +111,21 @@ class SamplingParams:
         )
 
 
-def _check_int(name: str, value, low: int | None, hint: str | None = None) -> None:
+def _check_int(
+    name: str, value, low: int | None, high: int = MAX_INT, hint: str | None = None
+) -> None:
+    param = name.removesuffix("[]")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(f"{name} must be an integer, got {value!r}", param)
     if low is not None and value < low:
-        raise ValueError(f"{name} must be {hint or f'>= {low}'}, got {value}")
+        raise RequestError(f"{name} must be {hint or f'>= {low}'}, got {value}", param)
+    if value > high:
+        raise RequestError(f"{name} must be <= {high}, got {value}", param)
 
 
 def _check_range(name, value, low, high, rule: str, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}", name)
     below = value <= low if low_open else value < low
     if below or (high is not None and value > high):
-        raise ValueError(f"{name} {rule}, got {value}")
+        raise RequestError(f"{name} {rule}, got {value}", name)

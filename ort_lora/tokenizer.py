@@ -1,13 +1,10 @@
-"""Tokenizer layer: encode/decode, chat templates and incremental detokenization.
+"""Tokenizer layer: encode/decode, chat templates (rendered by chat_template.py) and
+incremental detokenization.
 
 Reads the files an exported model directory carries (the ones `transformers`'
 `save_pretrained` writes): tokenizer.json (the Hugging Face `tokenizers` backend) and
 tokenizer_config.json (special tokens, chat template; the template may also live in
 chat_template.jinja or chat_template.json). Imports neither torch nor transformers.
-
-Chat templates render in a sandboxed jinja2 environment configured the way transformers does
-(trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, a `tojson` that
-does not escape HTML, `{% generation %}` blocks), so rendered prompts match it exactly.
 
 Stop strings: `IncrementalDetokenizer` handles them (vLLM semantics): text that could be the
 start of a stop string is held back, a matched stop string ends the output and is cut from it
@@ -16,64 +13,24 @@ unless `include_stop_str_in_output`. The engine only has to check `stopped`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
+from ort_lora.chat_template import (
+    CONFIG_FILE,
+    ChatTemplateError,
+    read_chat_template,
+    render_chat_template,
+)
+
 TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # vLLM starts incremental decoding this many prompt tokens back, for sentencepiece context.
 PROMPT_CONTEXT_TOKENS = 5
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing, or rejected the messages (its `raise_exception`)."""
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders
-    its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@lru_cache(maxsize=32)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def _token_content(value) -> str | None:
@@ -81,25 +38,6 @@ def _token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
-
-
-def read_chat_template(model_dir: str | Path) -> str | None:
-    """The chat template stored in `model_dir` (also used for adapter dirs), or None.
-
-    Looks in chat_template.jinja, chat_template.json, then tokenizer_config.json; a dict of
-    named templates yields the one named "default"."""
-    model_dir = Path(model_dir)
-    if (model_dir / "chat_template.jinja").is_file():
-        return (model_dir / "chat_template.jinja").read_text()
-    template = None
-    if (model_dir / "chat_template.json").is_file():
-        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
-    elif (model_dir / CONFIG_FILE).is_file():
-        template = json.loads((model_dir / CONFIG_FILE).read_text()).get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default")
-    return template
 
 
 class Tokenizer:
@@ -133,8 +71,10 @@ class Tokenizer:
 
     # -- vocabulary ---------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (a model's output layer may have
+        more rows: padded embeddings; those ids decode as no text)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str | None) -> int | None:
@@ -162,10 +102,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids; raises ValueError naming an id outside the vocabulary."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        vocab = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one generated token; "" for an id the tokenizer lacks (vLLM's way with
+        the padding rows of an output layer larger than the vocabulary)."""
+        if not 0 <= token_id < self.vocab_size:
+            return ""
+        return self.backend.decode([int(token_id)], skip_special_tokens=False)
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -177,7 +125,8 @@ class Tokenizer:
         **kwargs,
     ) -> str:
         """Render `messages` ([{"role", "content"}, ...]) with `template` (default: the
-        model's), as transformers' `apply_chat_template(..., tokenize=False)` does."""
+        model's), as transformers' `apply_chat_template(..., tokenize=False)` does, sandboxed
+        and bounded (chat_template.py); ChatTemplateError names what went wrong."""
         source = template or self.chat_template
         if not source:
             raise ChatTemplateError(
@@ -187,12 +136,7 @@ class Tokenizer:
         context = {**self.special_tokens, **kwargs}
         context.setdefault("tools", None)
         context.setdefault("documents", None)
-        try:
-            return _compile_template(source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context
-            )
-        except jinja2.exceptions.TemplateError as exc:
-            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+        return render_chat_template(source, messages, add_generation_prompt, context)
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), **kwargs) -> IncrementalDetokenizer:
         """A new per-request IncrementalDetokenizer (see its arguments)."""
@@ -223,7 +167,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        context = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        vocab = tokenizer.vocab_size  # ids it lacks (padded output rows) are no text
+        context = [t for t in list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:] if 0 <= t < vocab]
         self._ids: list[int] = context  # context tokens, then generated ones
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -240,7 +185,9 @@ class IncrementalDetokenizer:
         """Feed newly generated token id(s); return the new text that is safe to show."""
         if self.stopped is not None:
             return ""
-        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        vocab = self.tokenizer.vocab_size
+        new = [token_ids] if isinstance(token_ids, int) else token_ids
+        self._ids.extend(t for t in new if 0 <= t < vocab)  # as in __init__
         self._decode_window(final=False)
         return self._release(final=False)
 

@@ -11,7 +11,7 @@ import pytest
 from ort_lora import LLM, LoRARequest, SamplingParams
 from ort_lora.adapters import AdapterNotFoundError
 from ort_lora.engine.async_engine import AsyncEngine
-from ort_lora.engine.errors import RequestError
+from ort_lora.errors import RequestError
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -57,10 +57,17 @@ def test_requests_that_can_never_be_served(llm, prompt, params, param, message):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_request_larger_than_the_pool(tiny_llama_export):
-    llm = LLM(tiny_llama_export, num_pages=4, max_model_len=64)  # 4 pages of 8 tokens
-    with pytest.raises(RequestError, match="need 5 KV pages \\+ 0 adapter pages, more than"):
-        llm.generate(PROMPT, SamplingParams(max_tokens=30))
+def test_context_follows_the_pool(tiny_llama_export, adapter_dir):
+    """A pool must hold one request of max_model_len tokens: an explicit max_model_len that
+    does not fit is refused at start, the model's own limit is lowered to the pool; then a
+    request whose KV and adapter pages cannot fit together is refused by name."""
+    with pytest.raises(ValueError, match="max_model_len 64 needs 8 KV pages of 8 tokens; the"):
+        LLM(tiny_llama_export, num_pages=4, max_model_len=64)
+    llm = LLM(tiny_llama_export, num_pages=4)  # 4 pages of 8 tokens
+    assert llm.engine.max_model_len == 32
+    lora = LoRARequest("qv", 1, str(adapter_dir))
+    with pytest.raises(RequestError, match=r"need 4 KV pages \+ 2 adapter pages, more than"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=25), lora_request=lora)
     assert llm.generate(PROMPT, SamplingParams(max_tokens=25))[0].finished
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ort_lora.engine.errors import RequestError
 from ort_lora.engine.request import NOT_STOPPED, RequestLimits, RequestState, check_request
 from ort_lora.engine.sequence import Sequence
+from ort_lora.errors import RequestError
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.tokenizer import Tokenizer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ort_lora.errors import RequestError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import CompletionOutput, Logprob, RequestOutput
 from ort_lora.sampling_params import SamplingParams
@@ -27,14 +28,28 @@ from ort_lora.sampling_params import SamplingParams
         ({"seed": 1.5}, "seed must be an integer"),
         ({"stop": ["ok", ""]}, "stop must hold non-empty strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ({"top_p": float("nan")}, "top_p must be a finite number"),
+        ({"seed": -1}, "seed must be >= 0"),
+        ({"seed": 2**64}, "seed must be <= 18446744073709551615"),
+        ({"top_k": 2**63}, "top_k must be <= 9223372036854775807"),
         ({"stop": 5}, "stop must be a string or a list"),
         ({"stop_token_ids": 7}, "stop_token_ids must be a list"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RequestError, match=message) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_seed_range_is_numpy_s():
+    """0 .. 2^64 - 1, as vLLM's API: every one makes a generator."""
+    from ort_lora.engine.sampler import make_generator
+
+    for seed in (0, 2**64 - 1):
+        assert make_generator(SamplingParams(seed=seed)).random() < 1
 
 
 def test_normalization():

@@ -171,12 +171,19 @@ def test_24_concurrent_mixed_streams(server, oracle):
     assert texts == [text_of(engine, oracle(p, n)) for p, n in jobs]
 
 
-def _metrics(url) -> dict:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+def _metrics(url, until=None, timeout_s: float = 10.0) -> dict:
+    """/metrics as {(name, labels): value}; with `until`, polled until until(samples) holds
+    (the engine's stats are a snapshot, refreshed between steps every 0.25 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        if until is None or until(samples):
+            return samples
+        assert time.monotonic() < deadline, f"metrics never met the condition: {samples}"
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -211,8 +218,8 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, slow_st
     )
     chunks = iter(stream)
     text = next(chunks).choices[0].text
-    during = _metrics(url)  # the adapter is in use: its pages are in the pool
-    assert during[adapter_pages] > before.get(adapter_pages, 0)
+    # the adapter is in use: its pages are in the pool
+    during = _metrics(url, lambda m: m[adapter_pages] > before.get(adapter_pages, 0))
     assert during[free] < before[free]
     assert during[("ort_lora:num_requests_running", ())] >= 1
     late = (("lora_name", "late"),)
@@ -222,7 +229,7 @@ def test_runtime_load_unload_while_streaming_and_metrics(server, client, slow_st
     assert loaded[("ort_lora:lora_loads_total", late)] == 0
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
-    assert engine.stats()["running"] == 1  # the unload did not wait for the stream to end
+    assert engine.engine.has_unfinished_requests()  # the unload did not wait for the stream
     text += "".join(c.choices[0].text for c in chunks)
     # "late" is a copy of "qv4": the stream finished with the adapter it started with.
     with_qv4 = client.completions.create(model="qv4", prompt=prompt, **greedy(max_tokens=long))
@@ -241,7 +248,10 @@ def test_disconnect_frees_pages(server, slow_steps):
     with httpx.stream("POST", url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data:")
-        assert engine.stats()["running"] == 1
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] != 1:  # stats: a snapshot, refreshed between steps
+            assert time.monotonic() < deadline, f"not running: {engine.stats()}"
+            time.sleep(0.01)
     deadline = time.monotonic() + 10
     while engine.stats()["running"] or engine.stats()["pool"]["kv"]:
         assert time.monotonic() < deadline, f"not aborted: {engine.stats()}"

@@ -178,10 +178,44 @@ def test_prompt_token_out_of_vocab_400(server):
     check_error(post(server, "/v1/completions", completion(prompt=[1, 10**7])), 400, "10000000")
 
 
-def test_chat_template_error_400(server):
-    template = "{{ raise_exception('only system messages here') }}"
-    body = chat(chat_template=template)
-    check_error(post(server, "/v1/chat/completions", body), 400, "only system messages here")
+@pytest.fixture(scope="module")
+def trusting(tokenizer):
+    """A server started with --trust-request-chat-template (no key)."""
+    app = create_app(FakeEngine(tokenizer), trust_request_chat_template=True)
+    with ServerThread(app) as url:
+        yield (url,)
+
+
+def test_request_chat_template_refused_unless_trusted(server):
+    body = chat(chat_template="{{ messages[0].content }}")
+    error = check_error(post(server, "/v1/chat/completions", body), 400, "--trust-request")
+    assert error["param"] == "chat_template"
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ("{{ raise_exception('only system messages here') }}", "only system messages here"),
+        ("{{ 1/0 }}", "ZeroDivisionError"),
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),  # the sandbox's range cap
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+         "the template"),  # over its operations or its time, whichever comes first
+        ("{{ 'x' * 10 }}{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}", "exceeds"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "__class__"),
+        ("{% if %}", "does not compile"),
+    ],
+)  # fmt: skip
+def test_request_chat_template_bounded_when_trusted(trusting, template, needle):
+    """Errors name the template; loops, output and time are bounded; the sandbox holds."""
+    error = check_error(post(trusting, "/v1/chat/completions", chat(chat_template=template)), 400)
+    assert error["param"] == "chat_template" and needle in error["message"], error
+    assert httpx.get(trusting[0] + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "template", "self"])
+def test_reserved_chat_template_kwargs_refused(server, name):
+    body = chat(chat_template_kwargs={name: "x"})
+    check_error(post(server, "/v1/chat/completions", body), 400, name)
 
 
 def test_echo_with_logprobs_400(server):

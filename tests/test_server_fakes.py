@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
-from ort_lora.engine.errors import QueueFullError
 from ort_lora.engine.request import RequestLimits, check_request
+from ort_lora.errors import QueueFullError
 from ort_lora.outputs import CompletionOutput, Logprob, RequestOutput
 from ort_lora.tokenizer import Tokenizer
 
@@ -57,6 +57,7 @@ class FakeEngine:
         self.model_name = "fake-base"
         self.max_model_len = max_model_len
         self.max_running = max_running
+        self.max_queued_requests = 4 * max_running
         self.step_s = step_s
         self.loras = {}
         self.running: set[str] = set()

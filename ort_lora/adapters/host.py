@@ -18,7 +18,7 @@ import numpy as np
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.fused import module_dims, module_parts, split_fused
 from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
-from ort_lora.adapters.safetensors_io import load_float32
+from ort_lora.adapters.safetensors_io import SafetensorsFile
 from ort_lora.contract import LORA_MODULES, ModelManifest
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -94,10 +94,11 @@ def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) ->
     adapter_dir = Path(adapter_dir)
     weights = resolve_weights(adapter_dir)
     config = read_config(adapter_dir)
-    tensors = load_float32(weights)
-    pairs = _pair_tensors(tensors, config, manifest, weights)
-    if not pairs:
-        raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
+    with SafetensorsFile(weights) as f:  # names and shapes checked before any data is read
+        pairs = _pair_tensors(f.tensors, config, manifest, weights)
+        if not pairs:
+            raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
+        pairs = {k: (key, f.read(a), f.read(b)) for k, (key, a, b) in pairs.items()}
     return HostAdapter(name, adapter_dir, _stack_modules(pairs, config, manifest))
 
 
@@ -106,7 +107,8 @@ def _example() -> str:
 
 
 def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, where: Path) -> dict:
-    """{(module, layer): (key, A [r, in], B [out, r])}, every tensor checked."""
+    """{(module, layer): (key, A's name, B's name)}, every tensor's name and shape checked.
+    tensors: name -> anything with a `.shape` (the file's header entries)."""
     halves: dict[tuple[str, int], dict[str, tuple[str, np.ndarray]]] = {}
     for tname, t in tensors.items():
         m = _TENSOR_RE.match(tname)
@@ -125,7 +127,7 @@ def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, wher
             )
         key = _TENSOR_RE.match(ab["A"][0]).group("key")
         _check_shapes(ab, module, config.rank(key), manifest, where)
-        pairs[(module, layer)] = (key, ab["A"][1], ab["B"][1])
+        pairs[(module, layer)] = (key, ab["A"][0], ab["B"][0])
     return pairs
 
 
@@ -157,12 +159,12 @@ def _check_target(tname, key, module, layer, config, manifest, where) -> None:
 def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
     dims = module_dims(manifest, module)
     (a_name, a), (b_name, b) = ab["A"], ab["B"]
-    if a.shape != (rank, dims["in"]):
+    if tuple(a.shape) != (rank, dims["in"]):
         raise AdapterError(
             f"{where}: tensor {a_name!r} has shape {list(a.shape)}; expected "
             f"[r={rank}, in={dims['in']}] (rank from adapter_config.json, in from the model)"
         )
-    if b.shape != (dims["out"], rank):
+    if tuple(b.shape) != (dims["out"], rank):
         raise AdapterError(
             f"{where}: tensor {b_name!r} has shape {list(b.shape)}; expected "
             f"[out={dims['out']}, r={rank}] (rank from adapter_config.json, out from the model)"

@@ -5,15 +5,22 @@ Module keys are the base model's module names, as PEFT sees them, e.g.
   target_modules     peft.tuners.tuners_utils.check_target_module_exists
   rank/alpha_pattern peft.utils.other.get_pattern_key (first key k with re.match(r"(.*\\.)?(k)$"))
   scaling            peft.tuners.lora.layer.LoraLayer.update_layer (alpha/r, rslora alpha/sqrt(r))
+
+The file is untrusted: every field's type is checked, and its regular expressions (string
+target_modules / exclude_modules, pattern keys, layers_pattern) are compiled with the `regex`
+engine and matched under one time budget per adapter, so that a pathological pattern is a
+clear AdapterError, not a stalled server.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import regex
 
 from ort_lora.adapters.errors import AdapterError
 
@@ -28,6 +35,9 @@ _REFUSED = {
     "lora_bias": (False, "LoRA bias terms are not supported"),
     "use_qalora": (False, "QALoRA is not supported"),
 }
+MAX_RANK = 512  # LoraSGMV's largest rank (custom_ops/lora_sgmv)
+MAX_PATTERN_CHARS = 1000
+MATCH_BUDGET_S = 1.0  # all of one adapter's regex matching
 _MUST_BE_EMPTY = (
     "modules_to_save",
     "layer_replication",
@@ -35,6 +45,48 @@ _MUST_BE_EMPTY = (
     "trainable_token_indices",
     "alora_invocation_tokens",
 )
+
+
+class Patterns:
+    """An adapter's regular expressions, compiled once and matched under one time budget."""
+
+    def __init__(self, where: Path, budget_s: float = MATCH_BUDGET_S):
+        self.where = where
+        self.left = budget_s
+        self._compiled: dict[str, regex.Pattern] = {}
+
+    def compile(self, pattern: str, field_name: str) -> regex.Pattern:
+        """AdapterError naming the field for a pattern too long or not a regex."""
+        if pattern not in self._compiled:
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise AdapterError(
+                    f"{self.where}: {field_name} holds a pattern of {len(pattern)} characters "
+                    f"(at most {MAX_PATTERN_CHARS})"
+                )
+            try:
+                self._compiled[pattern] = regex.compile(pattern)
+            except (regex.error, OverflowError, RecursionError) as e:
+                raise AdapterError(
+                    f"{self.where}: {field_name} {pattern[:80]!r} is not a valid regular "
+                    f"expression ({e})"
+                ) from None
+        return self._compiled[pattern]
+
+    def match(self, pattern: str, key: str, full: bool = False) -> regex.Match | None:
+        compiled = self._compiled[pattern]  # compiled when the config was read
+        start = time.perf_counter()
+        try:
+            m = (compiled.fullmatch if full else compiled.match)(key, timeout=max(self.left, 1e-3))
+        except TimeoutError:
+            m = None
+            self.left = 0.0
+        self.left -= time.perf_counter() - start
+        if self.left <= 0:
+            raise AdapterError(
+                f"{self.where}: its module patterns took over {MATCH_BUDGET_S} s to match the "
+                f"module names (pattern {pattern[:80]!r}); simplify them"
+            )
+        return m
 
 
 @dataclass
@@ -50,6 +102,20 @@ class PeftLoraConfig:
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     exclude_modules: list[str] | str | None = None
+    patterns: Patterns = field(default_factory=lambda: Patterns(Path("adapter_config.json")))
+
+    def __post_init__(self):
+        """Compile every regular expression now: a bad one fails the load, by field."""
+        p = self.patterns
+        for name in ("target_modules", "exclude_modules"):
+            if isinstance(getattr(self, name), str):
+                p.compile(getattr(self, name), name)
+        for name in ("rank_pattern", "alpha_pattern"):
+            for k in getattr(self, name):
+                p.compile(rf"(.*\.)?({k})$", f"{name} key")
+        for lp in _as_list(self.layers_pattern):
+            p.compile(rf"(?:^|.*?\.){lp}\.(?P<idx>\d+)\.", "layers_pattern")
+        p.compile(_LAYER_INDEX, "layers_to_transform")
 
     def targets(self, key: str) -> bool:
         """Whether PEFT would put LoRA on the module named key."""
@@ -60,27 +126,34 @@ class PeftLoraConfig:
             if tm.lower() == ALL_LINEAR:
                 # + Phi-3's fused modules (adapters/fused.py maps them onto their parts)
                 return key.rsplit(".", 1)[-1] in LLAMA_LINEAR_MODULES + ("qkv_proj", "gate_up_proj")
-            return re.fullmatch(tm, key) is not None
+            return self.patterns.match(tm, key, full=True) is not None
         if key in tm:
             return True
         return any(key.endswith(f".{t}") for t in tm) and self._layer_selected(key)
 
     def rank(self, key: str) -> int:
-        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, key), self.r))
+        return int(self.rank_pattern.get(self._pattern_key(self.rank_pattern, key), self.r))
 
     def alpha(self, key: str) -> float:
-        return float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, key), self.lora_alpha))
+        k = self._pattern_key(self.alpha_pattern, key)
+        return float(self.alpha_pattern.get(k, self.lora_alpha))
 
     def scaling(self, key: str) -> float:
         r = self.rank(key)
         return self.alpha(key) / (math.sqrt(r) if self.use_rslora else r)
+
+    def _pattern_key(self, patterns: dict, key: str) -> str:
+        for k in patterns:
+            if self.patterns.match(rf"(.*\.)?({k})$", key):
+                return k
+        return key
 
     def _excluded(self, key: str) -> bool:
         ex = self.exclude_modules
         if not ex:
             return False
         if isinstance(ex, str):
-            return re.fullmatch(ex, key) is not None
+            return self.patterns.match(ex, key, full=True) is not None
         return key in ex or any(key.endswith(f".{e}") for e in ex)
 
     def _layer_selected(self, key: str) -> bool:
@@ -89,15 +162,10 @@ class PeftLoraConfig:
             return True
         m = None
         if not self.layers_pattern:
-            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+            m = self.patterns.match(_LAYER_INDEX, key)
         else:
-            pats = (
-                [self.layers_pattern]
-                if isinstance(self.layers_pattern, str)
-                else self.layers_pattern
-            )
-            for p in pats:
-                m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+            for p in _as_list(self.layers_pattern):
+                m = self.patterns.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
                 if m:
                     break
         if m is None:
@@ -106,11 +174,13 @@ class PeftLoraConfig:
         return layer == idx if isinstance(idx, int) else layer in idx
 
 
-def _pattern_key(patterns: dict, key: str) -> str:
-    for k in patterns:
-        if re.match(rf"(.*\.)?({k})$", key):
-            return k
-    return key
+_LAYER_INDEX = r".*?\.[^.]*\.(?P<idx>\d+)\."
+
+
+def _as_list(value) -> list:
+    if not value:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def read_config(adapter_dir: Path) -> PeftLoraConfig:
@@ -146,29 +216,71 @@ def _refuse_unsupported(raw: dict, path: Path) -> None:
 
 def _build(raw: dict, path: Path) -> PeftLoraConfig:
     r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise AdapterError(f"{path}: r must be an integer >= 1, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"{path}: lora_alpha must be a number, got {alpha!r}")
+    if not _is_int(r) or not 1 <= r <= MAX_RANK:
+        raise AdapterError(f"{path}: r must be an integer in [1, {MAX_RANK}], got {r!r}")
+    if not _is_number(alpha):
+        raise AdapterError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
     tm = raw.get("target_modules")
-    if not (isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm))):
+    if not (isinstance(tm, str) or _str_list(tm)):
         raise AdapterError(f"{path}: target_modules must be a string or a list, got {tm!r}")
-    rank_pattern = raw.get("rank_pattern") or {}
-    alpha_pattern = raw.get("alpha_pattern") or {}
+    rank_pattern = _pattern_dict(raw, "rank_pattern", path)
+    alpha_pattern = _pattern_dict(raw, "alpha_pattern", path)
     for k, v in rank_pattern.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise AdapterError(f"{path}: rank_pattern[{k!r}] must be an integer >= 1, got {v!r}")
+        if not _is_int(v) or not 1 <= v <= MAX_RANK:
+            raise AdapterError(
+                f"{path}: rank_pattern[{k!r}] must be an integer in [1, {MAX_RANK}], got {v!r}"
+            )
     for k, v in alpha_pattern.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise AdapterError(f"{path}: alpha_pattern[{k!r}] must be a number, got {v!r}")
+        if not _is_number(v):
+            raise AdapterError(f"{path}: alpha_pattern[{k!r}] must be a finite number, got {v!r}")
     return PeftLoraConfig(
         r=r,
         lora_alpha=alpha,
         target_modules=tm,
-        rank_pattern=dict(rank_pattern),
-        alpha_pattern=dict(alpha_pattern),
-        use_rslora=bool(raw.get("use_rslora", False)),
-        layers_to_transform=raw.get("layers_to_transform"),
-        layers_pattern=raw.get("layers_pattern"),
-        exclude_modules=raw.get("exclude_modules"),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        use_rslora=_optional(raw, "use_rslora", path, lambda v: isinstance(v, bool), "a bool")
+        or False,
+        layers_to_transform=_optional(
+            raw, "layers_to_transform", path, _layer_indices, "an integer >= 0 or a list of them"
+        ),
+        layers_pattern=_optional(raw, "layers_pattern", path, _str_or_list, "a string or a list"),
+        exclude_modules=_optional(raw, "exclude_modules", path, _str_or_list, "a string or list"),
+        patterns=Patterns(path),
     )
+
+
+def _pattern_dict(raw: dict, name: str, path: Path) -> dict:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise AdapterError(f"{path}: {name} must be an object {{pattern: value}}, got {value!r}")
+    return dict(value)
+
+
+def _optional(raw: dict, name: str, path: Path, ok, what: str):
+    value = raw.get(name)
+    if value is not None and not ok(value):
+        raise AdapterError(f"{path}: {name} must be {what}, got {str(value)[:80]!r}")
+    return value
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) for t in v)
+
+
+def _str_or_list(v) -> bool:
+    return isinstance(v, str) or _str_list(v)
+
+
+def _layer_indices(v) -> bool:
+    if _is_int(v):
+        return v >= 0
+    return isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v)

@@ -13,20 +13,59 @@ the caller frees the adapter's pool pages.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
-from ort_lora.adapters.host import HostAdapter, load_adapter
+from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
 from ort_lora.adapters.layout import layout, num_pages_needed, prepare_rows, write_to_pool
+from ort_lora.adapters.peft_config import CONFIG_NAME
 from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
 # (slot, adapter int id or name, pages) for each adapter slot of a step
 StepSlots = list[tuple[int, int | str, tuple[int, ...]]]
 _MAX_STEP_ENTRIES = 1024
+# Adapter names: what an API `model` field, a metrics label and a log line carry safely. No
+# spaces, quotes, newlines or "+" (reserved to compose adapters), at most 128 characters.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+
+def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
+    """The adapter directory, resolved (symlinks followed; a relative path is taken from
+    `root` when given). With `root`, the directory and each file read from it must lie
+    inside it (AdapterPathError); a path that cannot be resolved (a symlink loop, a NUL, a
+    name too long) is an AdapterError."""
+    try:
+        where = Path(path).expanduser()
+        if root is not None and not where.is_absolute():
+            where = Path(root) / where
+        resolved = where.resolve()
+        files = [(resolved / name).resolve() for name in (CONFIG_NAME, WEIGHTS_NAME)]
+    except (OSError, RuntimeError, ValueError) as e:
+        raise AdapterError(f"adapter path {str(path)[:200]!r} cannot be resolved: {e}") from None
+    if root is not None:
+        root = Path(root).resolve()
+        for p in [resolved, *files]:
+            if not p.is_relative_to(root):
+                raise AdapterPathError(
+                    f"adapter path {str(path)[:200]!r} resolves to {p}, outside the adapter "
+                    f"root {root}"
+                )
+    return resolved
+
+
+def check_name(name: str) -> None:
+    """AdapterError unless `name` is a valid adapter name (NAME_RE)."""
+    if not NAME_RE.fullmatch(name):
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        raise AdapterError(
+            f"adapter name {shown!r} is not allowed: 1-128 characters, letters, digits and "
+            "._:@/- only, starting with a letter or digit"
+        )
 
 
 class AdapterRegistry:
@@ -62,8 +101,9 @@ class AdapterRegistry:
 
     # --- registration -------------------------------------------------------------------------
 
-    def register(self, request: LoRARequest) -> HostAdapter:
-        """Validate, convert and cache the adapter; idempotent for an identical request."""
+    def register(self, request: LoRARequest, adapter: HostAdapter | None = None) -> HostAdapter:
+        """Validate, convert and cache the adapter; idempotent for an identical request.
+        adapter: the result of load(request), read beforehand (off the engine's thread)."""
         if self._is_unloading(request.lora_name) or self._is_unloading(request.lora_int_id):
             raise AdapterError(f"adapter {request.lora_name!r} is being unloaded; retry")
         old = self._requests.get(request.lora_int_id)
@@ -79,20 +119,22 @@ class AdapterRegistry:
                 f"adapter name {request.lora_name!r} is already registered with lora_int_id "
                 f"{self._ids[request.lora_name]}"
             )
-        adapter = self._load(request)
+        adapter = adapter if adapter is not None else self.load(request)
         self._requests[request.lora_int_id] = request
         self._ids[request.lora_name] = request.lora_int_id
         self._pages_needed[request.lora_int_id] = num_pages_needed(adapter, self.manifest)
         self._cache(request.lora_int_id, adapter)
         return adapter
 
-    def resolve(self, request: LoRARequest) -> LoRARequest:
-        """The registered request of this name (registering it on first use); an adapter
-        being unloaded is not found."""
+    def resolve(self, request: LoRARequest, register: bool = True) -> LoRARequest:
+        """The registered request of this name (registered now if `register`, else not
+        found); an adapter being unloaded is not found."""
         if self._is_unloading(request.lora_name) or self._is_unloading(request.lora_int_id):
             raise AdapterNotFoundError(f"adapter not found: {request.lora_name!r} (being unloaded)")
         if request.lora_name in self._ids:
             return self.request(request.lora_name)
+        if not register:
+            raise AdapterNotFoundError(f"adapter not found: {request.lora_name!r}")
         self.register(request)
         return request
 
@@ -174,7 +216,7 @@ class AdapterRegistry:
             self._host.move_to_end(aid)
             return self._host[aid]
         self.stats["host_misses"] += 1
-        adapter = self._load(self._requests[aid])
+        adapter = self.load(self._requests[aid])
         self._cache(aid, adapter)
         return adapter
 
@@ -186,9 +228,15 @@ class AdapterRegistry:
         """Pool pages the adapter occupies (known from registration, no reload)."""
         return self._pages_needed[self.request(name_or_id).lora_int_id]
 
-    def _load(self, request: LoRARequest) -> HostAdapter:
+    def load(self, request: LoRARequest) -> HostAdapter:
+        """Read, check and convert the adapter's files (AdapterError names the problem);
+        changes nothing here, so any thread may call it."""
+        check_name(request.lora_name)
         path = self._check_path(request.lora_path)
-        adapter = load_adapter(request.lora_name, path, self.manifest)
+        try:
+            adapter = load_adapter(request.lora_name, path, self.manifest)
+        except OSError as e:  # unreadable, a directory where a file should be, too long
+            raise AdapterError(f"adapter {request.lora_name!r}: cannot read {path}: {e.strerror}")
         prepare_rows(adapter, self.manifest.adapter_row_pack)
         self.stats["loads"] += 1
         return adapter
@@ -201,13 +249,7 @@ class AdapterRegistry:
             self.stats["host_evictions"] += 1
 
     def _check_path(self, path: str) -> Path:
-        resolved = Path(path).expanduser().resolve()
-        if self.adapter_root is not None and not resolved.is_relative_to(self.adapter_root):
-            raise AdapterPathError(
-                f"adapter path {path!r} resolves to {resolved}, outside the allowed adapter "
-                f"root {self.adapter_root}"
-            )
-        return resolved
+        return resolve_adapter_dir(path, self.adapter_root)
 
     # --- pool pages -----------------------------------------------------------------------------
 

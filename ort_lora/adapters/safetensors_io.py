@@ -3,12 +3,20 @@
 Format: 8-byte little-endian header length N, N bytes of JSON header
 ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the
 data block; offsets are relative to the start of the data block.
+
+Adapter files are untrusted. The file is memory-mapped, never read whole: the header is
+parsed and every entry checked (types, sizes, ranges inside the file) before any tensor data
+is touched, a caller can check the shapes it expects first (`SafetensorsFile.tensors`), and
+then reads tensors one at a time, each checked to be finite. Error messages name the file and
+the tensor, never show the file's bytes.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,53 +30,112 @@ _DTYPES = {
     "F64": np.dtype("<f8"),
     "BF16": np.dtype("<u2"),  # converted below
 }
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry, checked: its data lies at [begin, end) of the data block."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """An open .safetensors file: `tensors` (the checked header), `read(name)`. A context
+    manager; AdapterError on any malformed part."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 8:
+                raise AdapterError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.tensors, self._data_start = _header(self._map, self.path)
+        except BaseException:
+            self._map.close()
+            raise
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._map.close()
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a C-contiguous float32 array; AdapterError if it holds NaN or inf."""
+        info = self.tensors[name]
+        start = self._data_start
+        raw = np.frombuffer(self._map, _DTYPES[info.dtype], offset=start + info.begin,
+                            count=int(np.prod(info.shape, dtype=np.int64)))  # fmt: skip
+        raw = raw.reshape(info.shape)
+        if info.dtype == "BF16":
+            out = np.ascontiguousarray(bfloat16_bits_to_float32(raw))
+        else:
+            out = np.array(raw, dtype=np.float32, order="C")  # a copy: the map closes later
+        del raw  # no view of the map may outlive this call (closing it would fail)
+        if not np.isfinite(out).all():
+            bad = int(np.size(out) - np.isfinite(out).sum())
+            raise AdapterError(f"{self.path}: tensor {name!r} holds {bad} NaN or inf values")
+        return out
 
 
 def load_float32(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a safetensors file as C-contiguous float32 arrays."""
-    path = Path(path)
-    raw = path.read_bytes()
-    header, data = _split(raw, path)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = _tensor(name, info, data, path)
-    return out
+    """All tensors of a safetensors file as C-contiguous float32 arrays (checked finite)."""
+    with SafetensorsFile(path) as f:
+        return {name: f.read(name) for name in f.tensors}
 
 
-def _split(raw: bytes, path: Path) -> tuple[dict, memoryview]:
-    if len(raw) < 8:
-        raise AdapterError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > len(raw) - 8:
-        raise AdapterError(f"{path}: safetensors header length {n} exceeds the file size")
+def _header(buf: mmap.mmap, path: Path) -> tuple[dict[str, TensorInfo], int]:
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > min(len(buf) - 8, MAX_HEADER_BYTES):
+        raise AdapterError(f"{path}: not a safetensors file (its header length is invalid)")
     try:
-        header = json.loads(raw[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{path}: safetensors header is not valid JSON ({e})") from None
+        header = json.loads(buf[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise AdapterError(f"{path}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise AdapterError(f"{path}: safetensors header must be a JSON object")
-    return header, memoryview(raw)[8 + n :]
+    data_len = len(buf) - 8 - n
+    tensors = {
+        name: _entry(name, info, data_len, path)
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+    return tensors, 8 + n
 
 
-def _tensor(name: str, info: dict, data: memoryview, path: Path) -> np.ndarray:
-    try:
-        dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise AdapterError(f"{path}: tensor {name!r} has a malformed header entry") from None
-    if dtype_name not in _DTYPES:
+def _entry(name: str, info, data_len: int, path: Path) -> TensorInfo:
+    if not isinstance(info, dict):
+        raise AdapterError(f"{path}: tensor {name!r} has a malformed header entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise AdapterError(
-            f"{path}: tensor {name!r} has dtype {dtype_name}; expected one of {sorted(_DTYPES)}"
+            f"{path}: tensor {name!r} has dtype {str(dtype)[:16]!r}; expected one of "
+            f"{sorted(_DTYPES)}"
         )
-    dtype = _DTYPES[dtype_name]
-    count = int(np.prod(shape, dtype=np.int64))
-    if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+    if not _ints(shape, MAX_DIMS) or not _ints(offsets, 2, exact=True):
+        raise AdapterError(
+            f"{path}: tensor {name!r}: shape must be a list of at most {MAX_DIMS} integers "
+            ">= 0 and data_offsets a list of two integers >= 0"
+        )
+    begin, end = offsets
+    count = int(np.prod(shape, dtype=object))  # exact: no overflow for hostile shapes
+    if not begin <= end <= data_len or end - begin != count * _DTYPES[dtype].itemsize:
         raise AdapterError(
             f"{path}: tensor {name!r} data range [{begin}, {end}) does not fit its shape "
-            f"{shape} x {dtype_name} or the file"
+            f"{shape} x {dtype} or the file"
         )
-    arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-    if dtype_name == "BF16":
-        return bfloat16_bits_to_float32(arr)
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return TensorInfo(dtype, tuple(shape), begin, end)
+
+
+def _ints(value, size: int, exact: bool = False) -> bool:
+    """A list of `size` (or at most `size`) integers >= 0 (bools excluded)."""
+    if not isinstance(value, list) or len(value) > size or (exact and len(value) != size):
+        return False
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)

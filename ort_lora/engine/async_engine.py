@@ -1,9 +1,16 @@
 """AsyncEngine: the LLMEngine on its own thread, with an asyncio streaming interface.
 
 The engine thread loops: run queued commands (add, abort), then one step, then hand every
-RequestOutput to the asyncio queue of its request. HTTP handlers never run engine work on the
-event loop: they enqueue a command and await its result. A lock serializes the few direct
-calls (adapters, stats) with the step.
+RequestOutput (or a request's error) to the asyncio queue of its request. HTTP handlers never
+run engine work on the event loop: they enqueue a command and await its result. A lock
+serializes the few direct calls (adapter registration) with the step; what cheap routes read
+(the adapters served, the stats) is a snapshot the engine thread refreshes between steps, so
+they never wait for a step.
+
+Faults: one request's fault fails that request alone (LLMEngine.step). Should steps keep
+failing (LLMEngine.healthy turns false) or the loop itself break, the engine stops: every
+request it holds and every command still queued is answered with EngineUnavailable (503),
+and later calls get it at once.
 """
 
 from __future__ import annotations
@@ -11,17 +18,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from ort_lora.adapters.errors import AdapterError
 from ort_lora.config import EngineConfig
-from ort_lora.engine.errors import QueueFullError
 from ort_lora.engine.llm_engine import LLMEngine
+from ort_lora.errors import EngineUnavailable, QueueFullError, internal_error
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.sampling_params import SamplingParams
+
+STATS_EVERY_S = 0.25  # how often the engine thread refreshes the stats snapshot
 
 
 class AsyncEngine:
@@ -37,7 +46,10 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # set: the engine stopped serving
+        self._loras: list[LoRARequest] = engine.list_loras()
+        self._stats: dict = engine.stats()
+        self._stats_time = 0.0
 
     @classmethod
     def from_model_dir(
@@ -79,22 +91,50 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.error is None:
                 self._run_commands()
-                with self._lock:
-                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                    failures = self.engine.take_failures()
-                for rid, error in failures:
-                    self._deliver_error(rid, error)
+                outputs = self._step()
                 for out in outputs:
-                    self._deliver(out)
+                    self._deliver(out.request_id, out)
+                self._refresh_snapshot()
                 if not outputs and not self.engine.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
-        except BaseException as e:  # the engine is broken: fail every stream, keep the reason
-            self.error = e
-            for rid in list(self._streams):
-                self._deliver_error(rid, e)
+        except BaseException as exc:  # the loop itself broke: nothing can be served
+            self._shut_down(exc)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; its failed requests get their errors. A fault escaping the step
+        counts as a failed step (LLMEngine.step_failures); too many stop the engine."""
+        try:
+            with self._lock:
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        except Exception as exc:
+            internal_error(exc, "engine step")
+            self.engine.step_failures += 1
+            outputs = []
+        for rid, error in self.engine.take_failures():
+            self._deliver(rid, error)
+        if not self.engine.healthy:
+            self._shut_down(RuntimeError(f"{self.engine.step_failures} failed steps in a row"))
+        return outputs
+
+    def _shut_down(self, cause: BaseException) -> None:
+        """Stop serving: answer every request held and every command queued (503)."""
+        logged = internal_error(cause, "the engine loop")
+        error = EngineUnavailable(
+            f"the engine stopped serving (internal error {logged.error_id}); restart the server"
+        )
+        self.error = error
+        for rid in list(self._streams):
+            self._deliver(rid, error)
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None:
+                self._resolve(fut, error=error)
 
     def _run_commands(self) -> None:
         while True:
@@ -112,6 +152,14 @@ class AsyncEngine:
                 if fut is not None:
                     self._resolve(fut, result=result)
 
+    def _refresh_snapshot(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= STATS_EVERY_S:
+            with self._lock:
+                self._loras = self.engine.list_loras()
+                self._stats = self.engine.stats()
+            self._stats_time = now
+
     def _resolve(self, fut: asyncio.Future, result=None, error=None) -> None:
         def settle():
             if fut.done():
@@ -123,23 +171,20 @@ class AsyncEngine:
 
         self._loop.call_soon_threadsafe(settle)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, out)
-
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, error)
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
     async def _call(self, fn: Callable):
         """Run fn() on the engine thread between steps; return its result or raise."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped after an internal error: {self.error}")
+            raise self.error
         fut = self._loop.create_future()
         self._commands.put((fn, fut))
         self._wake.set()
+        if self.error is not None:  # stopped meanwhile: its last drain may have missed it
+            raise self.error
         return await fut
 
     # ---- requests ---------------------------------------------------------------------------
@@ -152,9 +197,12 @@ class AsyncEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs after each step that advanced the request; the last has
-        finished=True. Errors in the request (ValueError, QueueFullError) are raised before
-        anything is yielded; leaving the loop early aborts the request."""
+        finished=True. The adapter must be registered (add_lora): a name unloaded meanwhile
+        is not found. Errors of the request (RequestError, AdapterError, QueueFullError,
+        EngineError, EngineUnavailable) are raised; leaving the loop early aborts it."""
         rid = request_id or uuid.uuid4().hex
+        if self.error is not None:
+            raise self.error
         if len(self._streams) >= self.max_queued_requests:
             raise QueueFullError(
                 f"the engine already holds {len(self._streams)} requests "
@@ -166,13 +214,12 @@ class AsyncEngine:
         self._streams[rid] = stream
         finished = False
         try:
-            await self._call(lambda: self.engine.add_request(rid, prompt, params, lora_request))
+            add = self.engine.add_request
+            await self._call(lambda: add(rid, prompt, params, lora_request, register=False))
             while not finished:
                 out = await stream.get()
-                if isinstance(out, AdapterError):  # this request's adapter failed to load
-                    raise out
                 if isinstance(out, BaseException):
-                    raise RuntimeError(f"the engine failed: {out}") from out
+                    raise out
                 finished = out.finished
                 yield out
         finally:
@@ -185,20 +232,25 @@ class AsyncEngine:
         self._commands.put((lambda: self.engine.abort_request(request_id), None))
         self._wake.set()
 
-    # ---- adapters and stats (serialized with the step) -------------------------------------
+    # ---- adapters and stats -----------------------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter: its files are read and checked here, on the caller's thread;
+        only the registration itself waits for the engine's step."""
+        adapter = self.engine.registry.load(lora_request)
         with self._lock:
-            self.engine.add_lora(lora_request)
+            self.engine.add_lora(lora_request, adapter)
+        self._refresh_snapshot(force=True)
 
     def remove_lora(self, lora_name: str) -> None:
         with self._lock:
             self.engine.remove_lora(lora_name)
+        self._refresh_snapshot(force=True)
 
     def list_loras(self) -> list[LoRARequest]:
-        with self._lock:
-            return self.engine.list_loras()
+        """The adapters served (a snapshot: never waits for a step)."""
+        return list(self._loras)
 
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's stats as of the last step (never waits for a step)."""
+        return self._stats

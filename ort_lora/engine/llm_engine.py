@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.adapters import AdapterError, AdapterRegistry
-from ort_lora.config import EngineConfig
+from ort_lora.adapters.host import HostAdapter
+from ort_lora.config import EngineConfig, fit_context
 from ort_lora.contract import ModelManifest
 from ort_lora.engine.model_runner import ModelRunner
 from ort_lora.engine.pool import PagePool
@@ -23,9 +24,10 @@ from ort_lora.engine.request import (
     check_request,
     completion_id,
 )
-from ort_lora.engine.sampler import SamplerOutput, prompt_logprobs, sample
+from ort_lora.engine.sampler import prompt_logprobs, sample
 from ort_lora.engine.scheduler import Scheduler
 from ort_lora.engine.sequence import Sequence
+from ort_lora.engine.stats import engine_stats
 from ort_lora.engine.step_plan import ScheduledSeq, StepPlan
 from ort_lora.engine.timing import StepTimes
 from ort_lora.lora_request import LoRARequest
@@ -33,6 +35,8 @@ from ort_lora.outputs import PositionLogprobs, RequestOutput
 from ort_lora.runtime.session import ModelSession
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.tokenizer import Tokenizer
+
+MAX_STEP_FAILURES = 3  # consecutive failed steps after which the engine is unhealthy
 
 
 class LLMEngine:
@@ -51,7 +55,8 @@ class LLMEngine:
     ):
         self.model_dir = Path(model_dir)
         self.manifest = ModelManifest.load(self.model_dir)
-        config = (config or EngineConfig(**config_overrides)).resolved(self.manifest)
+        given = config or EngineConfig(**config_overrides)
+        config = fit_context(given.resolved(self.manifest), given.max_model_len is not None)
         if config.prefetch_adapters is None:  # copies overlap with steps only on a GPU
             config = replace(config, prefetch_adapters=device == "cuda")
         self.config = config
@@ -69,12 +74,14 @@ class LLMEngine:
         self.eos_token_ids = list(self.manifest.eos_token_ids)
         self.rng = np.random.default_rng(seed)
         self.times = StepTimes()  # of the last step
+        self.step_failures = 0  # consecutive steps whose model run (or bookkeeping) failed
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Register (validate and convert) an adapter; AdapterError names the problem."""
-        self.registry.register(lora_request)
+    def add_lora(self, lora_request: LoRARequest, adapter: HostAdapter | None = None) -> None:
+        """Register an adapter; AdapterError names the problem. adapter: its files already
+        read (registry.load), so that reading them need not hold up the engine."""
+        self.registry.register(lora_request, adapter)
 
     def remove_lora(self, name_or_id: str | int) -> None:
         """Unload an adapter: new requests for it fail at once; running ones finish first."""
@@ -93,12 +100,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        register: bool = True,
     ) -> RequestState:
-        """Queue a request; RequestError / AdapterError (ValueError) when it cannot be served."""
+        """Queue a request; RequestError / AdapterError (ValueError) when it cannot be served.
+        register: an adapter not registered yet is registered now (the offline API);
+        False: it must be registered (a server's adapters: unloading one is final)."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
-        lora = self.registry.resolve(lora_request) if lora_request is not None else None
+        lora = None if lora_request is None else self.registry.resolve(lora_request, register)
         aid = lora.lora_int_id if lora else None
         pages = self.registry.num_pages_needed(aid) if lora else 0
         max_tokens = check_request(ids, params, pages, self.limits)
@@ -119,21 +129,25 @@ class LLMEngine:
         return bool(self.tracker)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
-        """(request id, error) of requests ended since the last call because their adapter
-        could not be loaded into the pool (AsyncEngine and LLM raise these for them)."""
+        """(request id, error) of requests ended by an error since the last call: an adapter
+        that could not be loaded, a fault in the step or in their own output (AsyncEngine
+        and LLM raise these for them)."""
         return self.tracker.take_failures()
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One turn of the loop (ort_lora/engine/__init__.py); the outputs of the requests
-        that advanced or finished."""
+        that advanced or finished. A fault fails the requests it concerns, not the engine."""
         plan = self._schedule()
-        if plan.is_empty or not self._load_adapters(plan):
-            return []
-        logits = self.runner.run(plan, self.times)  # [plan.num_logit_rows, vocab]
-        sampled = self._sample(plan, logits)
-        return self._postprocess(plan, logits, sampled)
+        try:
+            if plan.is_empty or not self._load_adapters(plan):
+                return []
+            logits = self.runner.run(plan, self.times)  # [plan.num_logit_rows, vocab]
+            sampled = self._sample(plan, logits)
+            return self._postprocess(plan, logits, sampled)
+        except Exception as exc:  # in the step itself: every request of the plan fails
+            return self._fail_step(plan, exc)
 
     def _schedule(self) -> StepPlan:
         times = StepTimes()
@@ -156,41 +170,79 @@ class LLMEngine:
                 self.pool.drop_adapter(aid)  # resident without its weights
         return not failed
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray) -> SamplerOutput:
+    def _sample(self, plan: StepPlan, logits: np.ndarray) -> dict[str, tuple]:
+        """{completion id: (token, logprobs entry, raw logprob)} of the plan's sampled rows.
+        Should the batch fail, each row is sampled alone and only the faulty requests fail."""
         with self.times.phase("sample"):
             entries = [e for e in plan.entries if e.sample]
             rows = [self.tracker.owner(e.completion_id)[1].sample_row() for e in entries]
-            return sample(_rows(logits, [e.sample_row for e in entries]), rows, self.rng)
+            try:
+                out = sample(_rows(logits, [e.sample_row for e in entries]), rows, self.rng)
+                return {e.completion_id: out.row(i) for i, e in enumerate(entries)}
+            except Exception:
+                return self._sample_each(entries, rows, logits)
 
-    def _postprocess(self, plan: StepPlan, logits: np.ndarray, sampled: SamplerOutput):
-        """Prompt logprobs and new tokens into their requests, the scheduler's advance, the
-        finish path; the outputs of the requests touched."""
+    def _sample_each(self, entries: list[ScheduledSeq], rows: list, logits) -> dict[str, tuple]:
+        out = {}
+        for e, row in zip(entries, rows):
+            if self.tracker.find(e.completion_id) is None:
+                continue  # its request already failed (another of its completions)
+            try:
+                out[e.completion_id] = sample(logits[e.sample_row][None], [row], self.rng).row(0)
+            except Exception as exc:
+                self.tracker.fail_all([e.completion_id], exc, "sampling")
+        return out
+
+    def _postprocess(self, plan: StepPlan, logits: np.ndarray, sampled: dict[str, tuple]):
+        """Prompt logprobs and new tokens into their requests (a fault fails that request
+        alone), the scheduler's advance, the finish path; the outputs of the requests touched."""
         with self.times.phase("postprocess"):
             touched: dict[str, RequestState] = {}
+            tokens, stopped = {}, {}
             for e in plan.entries:
-                if e.num_prompt_logit_rows:
-                    state = self.tracker.owner(e.completion_id)[0]
-                    self._add_prompt_logprobs(state, e, logits)
-                    touched[state.request_id] = state
-            tokens, stopped = self._add_tokens(plan, sampled, touched)
-            self.tracker.finish(self.scheduler.on_step_done(plan, tokens, stopped))
+                owner = self.tracker.find(e.completion_id)
+                if owner is None:
+                    continue  # its request failed during this step
+                try:
+                    self._add_results(e, owner[1], logits, sampled, tokens, stopped)
+                    touched[owner[0].request_id] = owner[0]
+                except Exception as exc:
+                    touched.pop(owner[0].request_id, None)
+                    self.tracker.fail_all([e.completion_id], exc, "its output")
+            live = {c: t for c, t in tokens.items() if self.tracker.find(c) is not None}
+            stopped = {c: r for c, r in stopped.items() if c in live}
+            self.tracker.finish(self.scheduler.on_step_done(plan, live, stopped))
+            self.step_failures = 0
             return [state.output() for state in touched.values()]
 
-    def _add_tokens(self, plan: StepPlan, sampled: SamplerOutput, touched: dict):
-        """Each sampled token (and its logprobs) into its completion, through the stop rules:
-        ({completion id: token}, {completion id: stop reason} of those it stops)."""
-        tokens, stopped = {}, {}
-        for i, e in enumerate(e for e in plan.entries if e.sample):
-            state, c = self.tracker.owner(e.completion_id)
-            tokens[e.completion_id] = token = int(sampled.token_ids[i])
-            if c.logprobs is not None:
-                c.logprobs.append(self._decorate(sampled.logprobs[i]))
-                c.cumulative_logprob += sampled.sampled_logprobs[i]
-            reason = c.add_token(token, self.eos_token_ids)
-            if reason is not NOT_STOPPED:
-                stopped[e.completion_id] = reason
-            touched[state.request_id] = state
-        return tokens, stopped
+    def _add_results(self, e: ScheduledSeq, c, logits, sampled, tokens, stopped) -> None:
+        """The entry's prompt logprobs, then its sampled token (with logprobs) through the
+        stop rules: into `tokens` and, if it ends the completion, `stopped`."""
+        state = self.tracker.owner(e.completion_id)[0]
+        if e.num_prompt_logit_rows:
+            self._add_prompt_logprobs(state, e, logits)
+        if not e.sample:
+            return
+        token, lp, sampled_lp = sampled[e.completion_id]
+        if c.logprobs is not None:
+            c.logprobs.append(self._decorate(lp))
+            c.cumulative_logprob += sampled_lp
+        reason = c.add_token(token, self.eos_token_ids)
+        tokens[e.completion_id] = token
+        if reason is not NOT_STOPPED:
+            stopped[e.completion_id] = reason
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        """The step itself failed (the model run, or a bug around it): every request in the
+        plan ends with one logged error; MAX_STEP_FAILURES in a row make the engine
+        unhealthy (AsyncEngine then answers everything 503)."""
+        self.step_failures += 1
+        self.tracker.fail_all([e.completion_id for e in plan.entries], exc, "engine step")
+        return []
+
+    @property
+    def healthy(self) -> bool:
+        return self.step_failures < MAX_STEP_FAILURES
 
     def _add_prompt_logprobs(self, state: RequestState, e: ScheduledSeq, logits) -> None:
         rows = logits[e.logits_offset : e.logits_offset + e.num_prompt_logit_rows]  # [k, V]
@@ -201,36 +253,14 @@ class LLMEngine:
 
     def _decorate(self, lp: PositionLogprobs) -> PositionLogprobs:
         for token, entry in lp.items():
-            entry.decoded_token = self.tokenizer.decode([token])
+            entry.decoded_token = self.tokenizer.token_text(token)
         return lp
 
     # ---- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counts for /metrics: requests, pool pages by use, per-adapter residency/counters."""
-        sched, pool = self.scheduler.stats(), self.pool.stats()
-        cached = set(self.registry.cached_ids())
-        adapters = {}
-        for r in self.list_loras():
-            aid = r.lora_int_id
-            where = "device" if self.pool.is_resident(aid) else "host" if aid in cached else "none"
-            counters = self.pool.adapter_counters.get(aid, {})
-            adapters[r.lora_name] = {
-                "resident": where,
-                **{k: counters.get(k, 0) for k in ("loads", "evictions", "hits", "misses")},
-            }
-        return {
-            "running": sched.num_running,
-            "waiting": sched.num_waiting,
-            "preemptions": sched.num_preemptions,
-            "pool": {
-                "kv": pool.kv_pages,
-                "free": pool.free_pages,
-                "adapter": pool.adapter_pages_pinned + pool.adapter_pages_idle,
-            },
-            "adapters": adapters,
-            "step": self.times,
-        }
+        """Counts for /metrics (engine/stats.py)."""
+        return engine_stats(self.scheduler, self.pool, self.registry, self.times)
 
 
 def _rows(logits: np.ndarray, rows: list[int]) -> np.ndarray:

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.registry import AdapterRegistry
-from ort_lora.engine.errors import RequestError
 from ort_lora.engine.sampler import SampleRow, make_generator
 from ort_lora.engine.scheduler import Scheduler
 from ort_lora.engine.sequence import Sequence as Seq
+from ort_lora.errors import RequestError, internal_error
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ort_lora.sampling_params import SamplingParams
@@ -196,6 +197,10 @@ class RequestTracker:
     def owner(self, completion_id: str) -> tuple[RequestState, Completion]:
         return self._owners[completion_id]
 
+    def find(self, completion_id: str) -> tuple[RequestState, Completion] | None:
+        """owner(), or None once the completion has finished (or its request failed)."""
+        return self._owners.get(completion_id)
+
     def unfinished(self) -> list[Seq]:
         """Every unfinished sequence, waiting or running."""
         return [c.seq for _, c in self._owners.values()]
@@ -214,11 +219,24 @@ class RequestTracker:
             return None
         for c in state.completions:
             seq = self.scheduler.abort(c.seq.completion_id)
+            if seq is None and c.seq.completion_id in self._owners and c.seq.is_finished:
+                seq = c.seq  # ended by the scheduler in a step that failed before finish()
             if seq is not None:
                 self._finish(seq)
         if error is not None:
             self._failures.append((request_id, error))
         return state.output()
+
+    def fail_all(self, completion_ids: Iterable[str], exc: Exception, context: str) -> None:
+        """End the requests of these completions with `exc`: a RequestError or AdapterError
+        as it is; anything else is an internal error, logged once with its traceback under
+        an error id, and the requests get only the id (errors.internal_error)."""
+        if not isinstance(exc, (RequestError, AdapterError)):
+            exc = internal_error(exc, context)
+        for cid in completion_ids:
+            owner = self._owners.get(cid)
+            if owner is not None:
+                self.abort(owner[0].request_id, exc)
 
     def fail_adapter(self, adapter_id: int, error: Exception) -> None:
         """End every request of an adapter whose weights could not be loaded, with `error`."""
@@ -227,7 +245,8 @@ class RequestTracker:
                 self.abort(state.request_id, error)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
-        """(request id, error) of the requests ended by an error since the last call."""
+        """(request id, error) of the requests ended by an error since the last call: an
+        adapter that failed to load, a fault in their input or output, a failed step."""
         out, self._failures = self._failures, []
         return out
 

@@ -42,6 +42,10 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]  # per row; None where params.logprobs is None
     sampled_logprobs: list[float | None]  # raw logprob of the sampled token, same rule
 
+    def row(self, i: int) -> tuple[int, PositionLogprobs | None, float | None]:
+        """(token, its logprobs entry, its raw logprob) of row i."""
+        return int(self.token_ids[i]), self.logprobs[i], self.sampled_logprobs[i]
+
 
 def make_generator(params: SamplingParams) -> np.random.Generator | None:
     """The per-request generator: seeded when params.seed is set, else None (engine rng)."""
@@ -82,14 +86,18 @@ def apply_penalties(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray
     counts = np.stack([_bincount(rows[i].output_token_ids, vocab) for i in idx])  # [k, V]
     seen = counts > 0
     seen |= np.stack([_bincount(rows[i].prompt_token_ids, vocab) > 0 for i in idx])
-    rep = np.array([rows[i].params.repetition_penalty for i in idx], np.float32)[:, None]
-    freq = np.array([rows[i].params.frequency_penalty for i in idx], np.float32)[:, None]
-    pres = np.array([rows[i].params.presence_penalty for i in idx], np.float32)[:, None]
-    x = out[idx]  # [k, V]
+    # float64: any finite penalty a request may give (1e-300 .. 1e300) stays nonzero and finite
+    rep = np.array([rows[i].params.repetition_penalty for i in idx], np.float64)[:, None]
+    freq = np.array([rows[i].params.frequency_penalty for i in idx], np.float64)[:, None]
+    pres = np.array([rows[i].params.presence_penalty for i in idx], np.float64)[:, None]
+    x = out[idx].astype(np.float64)  # [k, V]
     x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
     x -= freq * counts + pres * (counts > 0)
-    out[idx] = x
+    out[idx] = np.clip(x, -_F32_MAX, _F32_MAX)  # back in float32 range: no inf, no NaN later
     return out
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _bincount(token_ids: Sequence[int], vocab: int) -> np.ndarray:
@@ -106,8 +114,9 @@ def truncated_probs(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarr
     if min_p.any():
         probs = _softmax(x)
         x = np.where(probs < min_p * probs.max(axis=1, keepdims=True), -np.inf, x)
-    top_k = np.array([p.top_k if p.top_k > 0 else x.shape[1] for p in params], np.int64)
-    if (top_k < x.shape[1]).any():
+    vocab = x.shape[1]
+    top_k = np.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], np.int64)
+    if (top_k < vocab).any():
         kth = -np.sort(-x, axis=1)[np.arange(len(x)), top_k - 1][:, None]  # [b, 1]
         x = np.where(x < kth, -np.inf, x)
     probs = _softmax(x)

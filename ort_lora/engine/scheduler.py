@@ -236,11 +236,12 @@ class Scheduler:
                  length limits (max_tokens, max_model_len) are applied here: FINISHED_LENGTH.
         """
         stopped = stopped or {}
-        ids = [e.completion_id for e in plan.entries if e.sample]  # checked before any change
+        live = [e for e in plan.entries if e.completion_id in self.sequences]
+        ids = [e.completion_id for e in live if e.sample]  # checked before any change
         assert len(ids) == len(sampled) and all(i in sampled for i in ids), f"sampled {sampled}"
         assert all(i in sampled for i in stopped), f"stopped {stopped} sampled nothing"
         done = []
-        for e in plan.entries:
+        for e in live:  # (sequences aborted during the step, e.g. a failed request, are gone)
             seq = self.sequences[e.completion_id]
             self._advance(seq, e)
             if not e.sample:

@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
+from ort_lora.adapters.registry import resolve_adapter_dir
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server.errors import APIError, install_error_handlers, model_not_found
 from ort_lora.server.metrics import ServerMetrics
@@ -30,6 +31,15 @@ from ort_lora.server.protocol import (
 from ort_lora.server.serving import OpenAIServing
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What the OpenAPI schema documents for the routes that are not plain JSON.
+_EMPTY_200 = {200: {"description": "Healthy (empty body)", "content": None}}
+_TEXT_200 = {200: {"description": "Plain text", "content": {"text/plain": {}}}}
+_JSON_OR_SSE_200 = {
+    200: {
+        "description": "A JSON body, or a text/event-stream of chunks with stream=true",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
 
 
 def _auth_dependency(api_key: str | None):
@@ -47,30 +57,30 @@ def _auth_dependency(api_key: str | None):
 
 
 def resolve_adapter_path(root: Path, lora_path: str) -> Path:
-    """`lora_path` (absolute, or relative to `root`) resolved; 403 unless inside `root`."""
-    root = root.resolve()
-    path = Path(lora_path).expanduser()
-    resolved = (path if path.is_absolute() else root / path).resolve()
-    if not resolved.is_relative_to(root):
-        raise APIError(
-            403,
-            f"adapter path {lora_path!r} resolves to {resolved}, outside the adapter root {root}",
-            param="lora_path",
-            code="adapter_path_forbidden",
-        )
-    return resolved
+    """`lora_path` (absolute, or relative to `root`) resolved; 403 unless it and its files
+    lie inside `root` (adapters/registry.py: resolve_adapter_dir), 400 if it cannot be
+    resolved."""
+    try:
+        return resolve_adapter_dir(lora_path, root)
+    except AdapterPathError as exc:
+        raise APIError(403, str(exc), param="lora_path", code="adapter_path_forbidden") from exc
+    except AdapterError as exc:
+        raise APIError(400, str(exc), param="lora_path") from exc
 
 
 class AdapterAdmin:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and replies)."""
 
-    def __init__(self, engine, root: Path):
+    def __init__(self, engine, root: Path, base_name: str):
         self.engine = engine
         self.root = Path(root)
+        self.base_name = base_name
         used = [lora.lora_int_id for lora in engine.list_loras()]
         self._ids = itertools.count(max(used, default=0) + 1)
 
     def load(self, body: LoadLoRAAdapterRequest) -> str:
+        if body.lora_name == self.base_name:
+            raise APIError(400, f"'{body.lora_name}' is the base model's name", param="lora_name")
         if any(lora.lora_name == body.lora_name for lora in self.engine.list_loras()):
             raise APIError(
                 400,
@@ -118,12 +128,14 @@ def create_app(
     served_model_name: str | None = None,
     model_root: str | None = None,
     manage_engine: bool = True,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The HTTP app around `engine`. `adapter_root` enables runtime adapter loading (paths
-    must resolve inside it); `api_key` protects every /v1 route."""
+    must resolve inside it); `api_key` protects every /v1 route; requests may bring their
+    own chat template only with `trust_request_chat_template`."""
     base_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.stats)
-    serving = OpenAIServing(engine, metrics, base_name)
+    serving = OpenAIServing(engine, metrics, base_name, trust_request_chat_template)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -141,22 +153,21 @@ def create_app(
     install_error_handlers(app)
     auth = [Depends(_auth_dependency(api_key))]
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=_EMPTY_200)
     async def health() -> Response:
-        """200 while the engine loop is alive; 503 once it stopped on an internal error."""
+        """200 while the engine serves; 503 once it stopped (repeated faults)."""
         error = getattr(engine, "error", None)
         if error is not None:
-            raise APIError(503, f"the engine stopped after an internal error: {error}")
+            raise APIError(503, str(error), code="engine_unavailable")
         return Response(status_code=200)
 
-    # Plain `def` routes run on worker threads: engine.stats() and list_loras() wait for the
-    # engine's current step, which must not stall the event loop (and every stream on it).
-    @app.get("/metrics")
-    def prometheus() -> Response:
+    # Cheap reads: the engine's snapshots, never its lock, so they answer during any step.
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_TEXT_200)
+    async def prometheus() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=auth)
-    def models() -> dict:
+    async def models() -> dict:
         root = model_root or base_name
         max_len = engine.max_model_len
         cards = [_model_card(base_name, root, None, max_len, created)]
@@ -164,24 +175,67 @@ def create_app(
             cards.append(_model_card(lora.lora_name, lora.lora_path, base_name, max_len, created))
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, responses=_JSON_OR_SSE_200)
     async def completions(body: CompletionRequest, raw: Request):
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, responses=_JSON_OR_SSE_200)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw)
 
     if adapter_root is not None:
-        admin = AdapterAdmin(engine, Path(adapter_root))
+        admin = AdapterAdmin(engine, Path(adapter_root), base_name)
 
         # Plain `def`: adapter files are read and validated on a worker thread, off the loop.
-        @app.post("/v1/load_lora_adapter", dependencies=auth)
+        @app.post(
+            "/v1/load_lora_adapter",
+            dependencies=auth,
+            response_class=PlainTextResponse,
+            responses=_TEXT_200,
+        )
         def load_lora_adapter(body: LoadLoRAAdapterRequest):
             return PlainTextResponse(admin.load(body))
 
-        @app.post("/v1/unload_lora_adapter", dependencies=auth)
+        @app.post(
+            "/v1/unload_lora_adapter",
+            dependencies=auth,
+            response_class=PlainTextResponse,
+            responses=_TEXT_200,
+        )
         def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
             return PlainTextResponse(admin.unload(body))
 
+    @app.api_route(
+        "/v1/{path:path}",
+        methods=["GET", "POST", "PUT", "DELETE", "PATCH"],
+        include_in_schema=False,
+    )
+    async def unknown_v1_route(path: str, request: Request, _=Depends(auth[0].dependency)):
+        """After the key check, as vLLM: without a key an unknown /v1 path is a 401."""
+        known = [r for r in app.routes if getattr(r, "path", None) == f"/v1/{path}"]
+        if known:
+            allowed = sorted({m for r in known for m in getattr(r, "methods", ())})
+            raise APIError(405, f"method {request.method} not allowed; use {allowed}")
+        raise APIError(404, f"no such endpoint: {request.method} /v1/{path}")
+
+    _openapi_says_400(app)
     return app
+
+
+def _openapi_says_400(app: FastAPI) -> None:
+    """The schema documents 400 with OpenAI's error body where FastAPI would say 422 (the
+    server maps validation errors to 400)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    responses = op.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {"description": "Invalid request (OpenAI error body)"}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--pool-memory-mb", type=int, help="pool size in MiB (default 512)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (rendered sandboxed, bounded)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -115,6 +120,9 @@ def build_app(args: argparse.Namespace):
     names = [name for name, _ in modules]
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules: duplicate adapter names in {names}")
+    base = args.served_model_name or engine.model_name
+    if base in names:
+        raise ValueError(f"--lora-modules: {base!r} is the base model's name")
     for i, (name, path) in enumerate(modules, start=1):
         engine.add_lora(LoRARequest(name, i, str(Path(path).expanduser().resolve())))
     return create_app(
@@ -123,6 +131,7 @@ def build_app(args: argparse.Namespace):
         adapter_root=args.adapter_root,
         served_model_name=args.served_model_name,
         model_root=str(model_dir),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -1,19 +1,19 @@
 """Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure a client can cause maps to a 4xx here (FastAPI's 422 validation errors become
-400); only a bug in the server itself gives a 500, and its message still has this shape.
+400); only a bug in the server itself gives a 500, and its message still has this shape,
+with an error id in place of the exception (logged under that id with its traceback).
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-logger = logging.getLogger("ort_lora.server")
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
+from ort_lora.errors import EngineError, EngineUnavailable, QueueFullError, internal_error
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -63,6 +63,27 @@ def model_not_found(name: str) -> APIError:
     )
 
 
+def api_error(exc: BaseException, context: str = "request") -> APIError:
+    """The HTTP error for an error of the engine or of a request: 4xx for what the client
+    can fix, 503 when the engine is full or stopped, 500 with an error id for an internal
+    failure (its text and traceback go to the log under that id, never to the client)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, AdapterNotFoundError):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, AdapterError):  # registered, but its files no longer load
+        return adapter_load_failed(exc)
+    if isinstance(exc, ValueError):  # the engine's check of the request (RequestError)
+        return bad_request(str(exc), getattr(exc, "param", None))
+    if not isinstance(exc, EngineError):
+        exc = internal_error(exc, context)
+    return APIError(500, str(exc), code="internal_error")
+
+
 def error_body(status: int, message: str, param=None, code=None) -> dict:
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -105,5 +126,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        logger.exception("internal error while serving %s", request.url.path)
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return api_error(exc, f"{request.method} {request.url.path}").response()

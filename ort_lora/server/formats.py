@@ -7,15 +7,12 @@ ChatFormat /v1/chat/completions. `stream` sends only what is new at every engine
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 
 from ort_lora.outputs import CompletionOutput, RequestOutput
 from ort_lora.server import responses as R
-from ort_lora.server.errors import APIError, error_body
-
-logger = logging.getLogger("ort_lora.server")
+from ort_lora.server.errors import api_error, error_body
 
 
 class _Format:
@@ -55,11 +52,9 @@ class _Format:
             if self.req.include_usage:
                 usage = self.usage(jobs, [finals.get(j.index) for j in jobs])
                 yield R.sse({**self.body(self.chunk_kind, []), "usage": usage})
-        except APIError as exc:
-            yield R.sse(error_body(exc.status, exc.message, exc.param, exc.code))
         except Exception as exc:  # headers are sent: report in-band, as vLLM does
-            logger.exception("stream %s failed", self.request_id)
-            yield R.sse(error_body(500, f"generation failed: {type(exc).__name__}: {exc}"))
+            err = api_error(exc, f"stream {self.request_id}")
+            yield R.sse(error_body(err.status, err.message, err.param, err.code))
         yield R.sse("[DONE]")
 
     def opening_chunks(self) -> list[dict]:

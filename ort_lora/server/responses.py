@@ -36,8 +36,10 @@ def envelope(kind: str, request_id: str, created: int, model: str, choices: list
 
 
 def _lp(value) -> float:
-    """A Logprob (or a bare float) as a float."""
-    return float(getattr(value, "logprob", value))
+    """A Logprob (or a bare float) as a float JSON can carry: below -9999.0 (vLLM's floor),
+    -inf and NaN become -9999.0."""
+    x = float(getattr(value, "logprob", value))
+    return x if x >= -9999.0 else -9999.0  # a NaN fails the comparison too
 
 
 def _top(position: dict, k: int) -> list[tuple[int, float]]:
@@ -73,7 +75,7 @@ def completion_logprobs(
 
 
 def _chat_entry(text: str, logprob: float | None) -> dict:
-    lp = -9999.0 if logprob is None else max(logprob, -9999.0)
+    lp = -9999.0 if logprob is None else _lp(logprob)
     return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
 

@@ -20,11 +20,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
-from ort_lora.engine.errors import QueueFullError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
-from ort_lora.server.errors import APIError, adapter_load_failed, bad_request, model_not_found
+from ort_lora.server.errors import APIError, api_error, bad_request, model_not_found
 from ort_lora.server.formats import ChatFormat, CompletionFormat
 from ort_lora.server.metrics import RequestTimer, ServerMetrics
 from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,10 +53,17 @@ class _Job:
 class OpenAIServing:
     """Serves /v1/completions and /v1/chat/completions against one engine."""
 
-    def __init__(self, engine, metrics: ServerMetrics, base_name: str):
+    def __init__(
+        self,
+        engine,
+        metrics: ServerMetrics,
+        base_name: str,
+        trust_request_chat_template: bool = False,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.base_name = base_name
+        self.trust_request_chat_template = trust_request_chat_template
         self._templates: dict[str, str | None] = {}  # adapter path -> its own chat template
 
     # -- model and prompt resolution ------------------------------------------------------------
@@ -67,8 +72,7 @@ class OpenAIServing:
         """The adapter a request's `model` names; None for the base model; else 404."""
         if name is None or name == self.base_name:
             return None
-        # list_loras waits for the engine's step to end: ask from a worker thread.
-        for lora in await run_in_threadpool(self.engine.list_loras):
+        for lora in self.engine.list_loras():  # a snapshot: never waits for a step
             if lora.lora_name == name:
                 return lora
         raise model_not_found(name)
@@ -96,14 +100,8 @@ class OpenAIServing:
             first = await agen.__anext__()
         except StopAsyncIteration:
             first = None
-        except QueueFullError as exc:
-            raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
-        except AdapterNotFoundError as exc:
-            raise APIError(404, str(exc), param="model", code="model_not_found") from exc
-        except AdapterError as exc:  # registered, but its files no longer load
-            raise adapter_load_failed(exc) from exc
-        except ValueError as exc:  # the engine's check of the request (RequestError)
-            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
+        except Exception as exc:
+            raise api_error(exc, request_id) from exc
         return _Job(index, request_id, prompt_ids, first, agen, timer)
 
     async def _open_all(self, raw, prompts, params, lora, request_id, model) -> list[_Job]:
@@ -138,8 +136,8 @@ class OpenAIServing:
                 last = out
                 job.timer.on_tokens(time.monotonic(), _num_tokens(out))
                 yield job, out
-        except AdapterError as exc:  # reloaded after a preemption, and its files broke
-            raise adapter_load_failed(exc) from exc
+        except Exception as exc:  # the request failed after it started (adapter, fault)
+            raise api_error(exc, job.request_id) from exc
         finally:
             await _close(self.engine, job, last)
 
@@ -158,12 +156,13 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         lora = await self.resolve_model(req.model)
-        tok = self.engine.tokenizer
-        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        self._check_count(len(req.prompts()))
+        prompts = await run_in_threadpool(self._encode_all, req.prompts())
         params = [_sampling(req, req.max_tokens) for _ in prompts]
         model = req.model or self.base_name
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = await self._open_all(raw, prompts, params, lora, request_id, model)
+        tok = self.engine.tokenizer
         echo = [tok.decode(p) if req.echo else "" for p in prompts]
         fmt = CompletionFormat(self, req, request_id, model, echo)
         if req.stream:
@@ -173,20 +172,35 @@ class OpenAIServing:
         )
         return JSONResponse(fmt.full(jobs, finals))
 
+    def _check_count(self, num_prompts: int) -> None:
+        """A prompt list the engine's queue could never hold is refused before any work."""
+        limit = self.engine.max_queued_requests
+        if num_prompts > limit:
+            raise bad_request(
+                f"{num_prompts} prompts in one request; this server queues at most {limit} "
+                "(--max-queued-requests)",
+                "prompt",
+            )
+
+    def _encode_all(self, prompts: list) -> list[list[int]]:
+        """Token ids of each prompt (on a worker thread: a long prompt must not stall the
+        event loop)."""
+        tok = self.engine.tokenizer
+        return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
     # -- /v1/chat/completions -------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         lora = await self.resolve_model(req.model)
-        tok = self.engine.tokenizer
-        template = req.chat_template or self.chat_template_for(lora)
-        messages = [m.as_template_dict() for m in req.messages]
-        try:
-            text = tok.apply_chat_template(
-                messages, req.add_generation_prompt, template, **(req.chat_template_kwargs or {})
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "chat_template in a request is refused: this server renders only the model's "
+                "and the adapters' own templates (start it with --trust-request-chat-template "
+                "to allow it)",
+                "chat_template",
             )
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        prompt = tok.encode(text, add_special_tokens=False)
+        template = req.chat_template or self.chat_template_for(lora)
+        prompt = await run_in_threadpool(self._render, req, template)
         params = [_sampling(req, req.requested_max_tokens())]
         model = req.model or self.base_name
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -199,8 +213,21 @@ class OpenAIServing:
         )
         return JSONResponse(fmt.full(jobs[0], final))
 
+    def _render(self, req: ChatCompletionRequest, template: str | None) -> list[int]:
+        """The chat prompt's token ids: the template rendered (bounded in time and size,
+        tokenizer.py) and encoded, on a worker thread."""
+        tok = self.engine.tokenizer
+        messages = [m.as_template_dict() for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        try:
+            text = tok.apply_chat_template(messages, req.add_generation_prompt, template, **kwargs)
+        except ChatTemplateError as exc:
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise bad_request(str(exc), param) from exc
+        return tok.encode(text, add_special_tokens=False)
+
     def decode_token(self, tid: int) -> str:
-        return self.engine.tokenizer.decode([tid])
+        return self.engine.tokenizer.token_text(tid)
 
 
 def _sampling(req, max_tokens: int | None):

@@ -1,0 +1,128 @@
+"""Faults inside the engine (injected by the tests): a failed model step fails only that
+step's requests, a fault in one request's output only that request; steps that keep failing
+stop the engine, and then every request it held or receives is answered 503, none hangs.
+A model whose output layer is larger than its tokenizer samples a padding id and serves on."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from reliability_server import GREEDY, TIMEOUT_S, serve
+
+from ort_lora.engine.request import Completion
+
+STREAMED = {"prompt": [9, 8, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+def in_threads(fn, args_list) -> list:
+    """fn(*args) for each args on its own thread; their results, in order."""
+    results = [None] * len(args_list)
+
+    def run(i):
+        results[i] = fn(*args_list[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args_list))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S + 5)
+    assert not any(t.is_alive() for t in threads), "a request was never answered"
+    return results
+
+
+def test_failed_model_step_fails_only_its_requests(served, monkeypatch):
+    session = served.engine.engine.runner.session
+    run, calls = session.run, []
+
+    def fails_once(inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the model step failed")
+        return run(inputs)
+
+    monkeypatch.setattr(session, "run", fails_once)
+    r = served.post("/v1/completions", {"model": served.base, **GREEDY})
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "internal_error" and "internal error" in error["message"]
+    assert "injected" not in r.text and "RuntimeError" not in r.text  # logged, not sent
+    served.assert_serving()  # the next step and every later one succeed
+
+
+def test_fault_in_one_request_fails_it_alone(served, monkeypatch):
+    """Two requests batched together; a fault while processing one's tokens (it asks for
+    prompt [77, ...]) fails it alone; the other returns what it returns alone."""
+    add_token = Completion.add_token
+
+    def faulty(self, token, eos):
+        if self.seq.prompt_token_ids[0] == 77:
+            raise ValueError("injected: this request's output failed")
+        return add_token(self, token, eos)
+
+    alone = served.post("/v1/completions", {"model": served.base, **STREAMED}).json()
+    monkeypatch.setattr(Completion, "add_token", faulty)
+    bad = {"model": served.base, **STREAMED, "prompt": [77, 1, 2]}
+    good = {"model": served.base, **STREAMED}
+    r_bad, r_good = in_threads(served.post, [("/v1/completions", bad), ("/v1/completions", good)])
+    assert r_bad.status_code == 500 and "injected" not in r_bad.text, r_bad.text
+    assert r_good.status_code == 200, r_good.text
+    assert r_good.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    monkeypatch.undo()
+    served.assert_serving()
+
+
+def test_steps_that_keep_failing_stop_the_engine_and_answer_everyone(
+    tiny_llama_export, adapter_root, monkeypatch
+):
+    """Every model step fails: the requests of the first failed steps get 500, then the
+    engine stops (3 in a row): every request still held, and every later one, gets 503."""
+    with serve(tiny_llama_export, adapter_root) as served:
+        session = served.engine.engine.runner.session
+
+        def broken(inputs):
+            raise RuntimeError("injected: the device is gone")
+
+        monkeypatch.setattr(session, "run", broken)
+        body = {"model": served.base, **STREAMED}
+        results = in_threads(served.post, [("/v1/completions", body)] * 6)
+        codes = sorted(r.status_code for r in results)
+        assert set(codes) <= {500, 503} and 503 in codes, [r.text for r in results]
+        assert httpx.get(served.url + "/health", timeout=TIMEOUT_S).status_code == 503
+        later = served.post("/v1/completions", body)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_unavailable"
+        assert "injected" not in later.text
+
+
+@pytest.fixture(scope="module")
+def padded_export(tmp_path_factory):
+    """A tiny Llama whose output layer has 256 rows but whose tokenizer knows 200 ids, with
+    the LM head rows of the known ids zeroed: greedy decoding picks a padding id."""
+    from safetensors.numpy import load_file, save_file
+
+    from ort_lora.export import export_model
+    from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+    from ort_lora.export.tiny_tokenizer import write_byte_tokenizer
+
+    root = tmp_path_factory.mktemp("padded")
+    ckpt = write_random_checkpoint(root / "ckpt", tiny_config("llama"), seed=7)
+    write_byte_tokenizer(ckpt, 200)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["lm_head.weight"][:200] = 0.0
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    return export_model(ckpt, root / "export", block_size=8, progress=False)
+
+
+def test_padding_ids_decode_as_no_text(padded_export):
+    from ort_lora import LLM, SamplingParams
+
+    llm = LLM(padded_export, num_pages=32)
+    assert llm.get_tokenizer().vocab_size == 200 and llm.engine.manifest.vocab_size == 256
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 210]}, params)[0].outputs[0]
+    assert len(out.token_ids) == 6 and all(t >= 200 for t in out.token_ids)
+    assert out.text == "" and out.finish_reason == "length"
+    assert all(lp[t].decoded_token == "" for t, lp in zip(out.token_ids, out.logprobs))
+    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0]  # still serving
+    assert again.finished
