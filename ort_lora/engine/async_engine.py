@@ -84,10 +84,12 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self) -> None:
+        """Stop the engine thread, then release the engine's session."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.close()
 
     def _run(self) -> None:
         try:

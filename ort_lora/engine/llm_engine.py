@@ -256,6 +256,10 @@ class LLMEngine:
             entry.decoded_token = self.tokenizer.token_text(token)
         return lp
 
+    def close(self) -> None:
+        """Release the model session (on CUDA: the device pool, streams and staging too)."""
+        self.runner.session.close()
+
     # ---- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict:
