@@ -48,9 +48,11 @@ def test_adapter_proxy_spreads_requests_over_adapters():
     try:
         seen = []
         for i in range(40):
-            body = {"model": "base", "prompt": "x", "n": i}
+            usage = {"include_usage": True, "continuous_usage_stats": True}  # as guidellm sends
+            body = {"model": "base", "prompt": "x", "n": i, "stream_options": usage}
             got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json()
             assert got["connection"] == "close" and got["got"]["n"] == i
+            assert got["got"]["stream_options"] == {"include_usage": True}
             seen.append(got["got"]["model"])
     finally:
         proxy.stop()

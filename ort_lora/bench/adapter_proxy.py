@@ -2,9 +2,11 @@
 
 guidellm sends every request with one `model`; S-LoRA's trace draws each request's adapter
 uniformly at random. The proxy sits between them: each JSON POST body's `model` becomes the
-next draw from a seeded uniform choice over `names`, everything else passes through byte for
-byte (SSE streams included). One upstream connection per request (`Connection: close`), so a
-response ends when the server closes it.
+next draw from a seeded uniform choice over `names`, and vLLM's `stream_options.
+continuous_usage_stats` extension is dropped (ort-lora serve refuses unknown fields; both
+servers then get the same OpenAI request, usage once at the end); everything else passes
+through byte for byte (SSE streams included). One upstream connection per request
+(`Connection: close`), so a response ends when the server closes it.
 
     proxy = AdapterProxy(upstream_port=8000, names=["a0", ..., "a15"], seed=0)
     port = proxy.start()        # serves on 127.0.0.1:port from a daemon thread
@@ -63,6 +65,8 @@ class AdapterProxy:
             if isinstance(doc, dict) and "model" in doc:
                 doc["model"] = self.names[int(self.rng.integers(len(self.names)))]
                 self.counts[doc["model"]] += 1
+                if isinstance(doc.get("stream_options"), dict):
+                    doc["stream_options"].pop("continuous_usage_stats", None)
                 body = json.dumps(doc).encode()
         lines = head.split(b"\r\n")
         keep = [ln for ln in lines[1:] if ln and not _is_header(ln, b"content-length")]

@@ -74,6 +74,10 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
         )
     )
     pngs.append(plots.latency_plot(report.rows_of(results, "trace"), out / "trace_latency.png"))
+    scale = report.rows_of(results, "scale")
+    if scale:
+        title = "bigger model: output tokens/s"
+        pngs.append(plots.bar_plot(scale, "output_tok_s", title, "tok/s", out / "scale.png"))
     return pngs
 
 
@@ -103,6 +107,7 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         "trace",
         "registered",
         "prefill",
+        "scale",
     ]
     for exp in experiments:
         rows = report.rows_of(results, exp)
@@ -110,3 +115,16 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
             lines += [f"## {exp}", "", report.table(rows), ""]
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
+
+
+def rewrite(out: Path) -> list[Path]:
+    """Write report.md and the plots again from out/results.json (after a report change)."""
+    doc = json.loads((out / "results.json").read_text())
+    shapes = [r["experiment"].split("/", 1)[1] for r in doc["results"] if "/" in r["experiment"]]
+    return write_outputs(out, doc["results"], doc["meta"], list(dict.fromkeys(shapes)))
+
+
+if __name__ == "__main__":  # python -m ort_lora.bench.output RESULTS_DIR
+    import sys
+
+    print("\n".join(str(p) for p in rewrite(Path(sys.argv[1]))))

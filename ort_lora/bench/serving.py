@@ -71,7 +71,7 @@ class Server:
 
     def __init__(self, name: str, cmd: list[str], env: dict | None, port: int, adapters: int):
         self.name, self.port = name, port
-        self.log = None
+        self.log = self.proc = self.proxy = None
         self.cmd, self.env = cmd, env
         self.names = [f"a{i}" for i in range(adapters)]
 
@@ -93,7 +93,10 @@ class Server:
             httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
 
     def stop(self) -> None:
-        self.proxy.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.proc is None:
+            return
         self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
@@ -140,6 +143,8 @@ def run_point(server: Server, trace: Path, rate: float, hf: Path, out: Path, gui
     if proc.returncode != 0 or not result.is_file():
         return {"server": server.name, "rate": rate, "error": f"guidellm exited {proc.returncode}"}
     row = summarize(json.loads(result.read_text()))
+    if not row["requests_ok"]:
+        return {"server": server.name, "rate": rate, "error": "every request failed (guidellm)"}
     row.update(server=server.name, rate=rate, server_cpu_s=cpu, wall_s=wall)
     row["output_tok_per_cpu_s"] = row["output_tokens"] / cpu if cpu else None
     row["loadavg_start"], row["loadavg_end"] = load0, os.getloadavg()
@@ -195,8 +200,18 @@ def sweep(servers: list[Server], traces: dict, rates: list[float], hf: Path, out
     return rows
 
 
+def _stop_on_sigterm() -> None:
+    import signal
+
+    def raise_exit(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, raise_exit)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _stop_on_sigterm()
     out = Path(args.out)
     (out / "guidellm").mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache_dir).expanduser()
@@ -219,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
             traces[kind][rate] = write_trace(path, n, ARRIVALS[kind], args.seed)
     servers = make_servers(args, hf, model, adapters)
     meta = _meta(args, argv, servers)
-    for s in servers:
-        s.start(out / "servers.log")
     try:
+        for s in servers:
+            s.start(out / "servers.log")
         rows = sweep(servers, traces, rates, hf, out / "guidellm", guidellm)
         for s in servers:
             meta.setdefault("server_peak_rss_mb", {})[s.name] = tree_peak_rss_mb(s.proc.pid)
-    finally:
+    finally:  # also on SIGTERM (see _stop_on_sigterm): no server outlives the benchmark
         for s in servers:
             s.stop()
     meta["loadavg_end"] = os.getloadavg()
