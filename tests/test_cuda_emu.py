@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from cuda_emu_build import EmuLibrary, build_emu_library, missing_tools
 
-from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters
+from ort_lora.ops.lora_sgmv_ref import lora_sgmv, place_random_adapters, segment_terms
 from ort_lora.runtime.cuda_sgmv import from_storage, to_storage
 
 TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2}  # relative to the output's scale
@@ -38,10 +38,11 @@ def emu(tmp_path_factory) -> EmuLibrary:
     return EmuLibrary(build_emu_library(tmp_path_factory.mktemp("cuda_emu")))
 
 
-def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RANKS) -> dict:
-    """Random adapters at unaligned pool offsets; random slots, one of them -1 (base only) and
-    one of a rank-0 slot if there is one."""
-    placed = place_random_adapters(rng, slot_ranks, in_f, out_f)
+def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RANKS,
+              dora_slots=()) -> dict:  # fmt: skip
+    """Random adapters at unaligned pool offsets (and DoRA rows of dora_slots); random slots,
+    one of them -1 (base only) and one of a rank-0 slot if there is one."""
+    placed = place_random_adapters(rng, slot_ranks, in_f, out_f, dora_slots=list(dora_slots))
     ranked = [s for s, r in enumerate(slot_ranks) if r > 0]
     slots = [-1] + [s for s, r in enumerate(slot_ranks) if r == 0][:1]
     slots += [int(rng.choice(ranked)) for _ in lengths[len(slots) :]]
@@ -60,7 +61,30 @@ def make_case(rng, lengths: list[int], in_f: int, out_f: int, slot_ranks=SLOT_RA
     rows = sum(lengths)
     x = rng.standard_normal((rows, in_f)).astype(np.float32)  # [T, in]
     y = rng.standard_normal((rows, out_f)).astype(np.float32)  # [T, out]
+    if dora_slots:
+        meta["dora_offsets"] = placed.dora_offsets
     return {"meta": meta, "x": x, "y": y, "placed": placed, "layer": layer}
+
+
+def add_composition(rng, case: dict, dora_slots: list[int]) -> None:
+    """Composition entries on about half the segments of a ranked, non-DoRA slot: 1 or 2 more
+    such slots each, weights in [-1, 1.5]; at least one on a segment with rows. Base-only and
+    rank-0 segments stay as they are."""
+    meta = case["meta"]
+    lengths = np.diff(meta["seg_starts"])
+    ranks = meta["ranks"][case["layer"]]
+    plain = [s for s in range(len(ranks)) if ranks[s] > 0 and s not in dora_slots]
+    entries = []
+    for seg, slot in enumerate(meta["seg_slots"]):
+        with_rows = any(lengths[e[0]] for e in entries)
+        if slot not in plain or (with_rows and rng.random() < 0.5):
+            continue
+        for extra in rng.choice(plain, int(rng.integers(1, 3)), replace=False):
+            entries.append((seg, int(extra), float(rng.uniform(-1.0, 1.5))))
+    assert any(lengths[seg] for seg, _, _ in entries), "a composed segment must have rows"
+    meta["comp_segs"] = np.asarray([e[0] for e in entries], np.int32)
+    meta["comp_slots"] = np.asarray([e[1] for e in entries], np.int32)
+    meta["comp_weights"] = np.asarray([e[2] for e in entries], np.float32)
 
 
 def run_case(
@@ -72,16 +96,17 @@ def run_case(
     inputs += [to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)]
     got = from_storage(emu.sgmv(dtype, *inputs, case["meta"], case["layer"], stream), dtype)
     f = [from_storage(a, dtype) for a in inputs]  # the rounded inputs, as the kernel sees them
-    want = lora_sgmv(*f, *case["meta"].values(), layer=case["layer"])
+    want = lora_sgmv(*f, **case["meta"], layer=case["layer"])
     return got, want, inputs
 
 
 def lora_rows(meta: dict, layer: int) -> np.ndarray:
     """bool [T]: rows with an adapter of rank > 0 (the others must come back as y, bit-exact)."""
-    starts, slots = meta["seg_starts"], meta["seg_slots"]
+    starts = meta["seg_starts"]
+    comp = [meta.get(k) for k in ("comp_segs", "comp_slots", "comp_weights")]
     mask = np.zeros(starts[-1], bool)
-    for s, slot in enumerate(slots):
-        if slot >= 0 and meta["ranks"][layer, slot] > 0:
+    for s, terms in enumerate(segment_terms(meta["seg_slots"], *comp)):
+        if any(meta["ranks"][layer, slot] > 0 for slot, _ in terms):
             mask[starts[s] : starts[s + 1]] = True
     return mask
 
@@ -129,6 +154,42 @@ def test_the_largest_rank(emu, dtype):
     check_case(emu, dtype, case)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dora_and_composed_tiles_match_reference(emu, dtype, layout, rng):
+    """Two DoRA slots (alone in their segments) and composed segments of 2-3 weighted
+    adapters, with plain, rank-0 and base-only segments: SGMV and BGMV tiles of each."""
+    dora = [1, 4]  # ranks 7 and 64
+    case = make_case(rng, LAYOUTS[layout], in_f=136, out_f=300, dora_slots=dora)
+    meta = case["meta"]
+    lengths = np.diff(meta["seg_starts"])
+    with_rows = rng.permutation(np.flatnonzero(lengths))  # >= 4 in every layout
+    plain = [0, 2, 3, 6]
+    slots = np.asarray(rng.choice([-1, 5, *plain], len(lengths)), np.int32)  # empty: any
+    slots[with_rows] = [1, 4, -1, rng.choice(plain)] + list(
+        rng.choice([5, *plain], len(with_rows) - 4)
+    )
+    meta["seg_slots"] = slots  # rows of each DoRA slot, base rows, a plain segment to compose
+    add_composition(rng, case, dora)
+    check_case(emu, dtype, case)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_composed_segment_at_the_largest_rank(emu, dtype, rng):
+    """256 + 256 = 512 composed (ExpandTiles' shared v full across two terms; segment 0 by
+    composition entries alone) next to a DoRA rank-3 segment, decode and prefill tiles."""
+    case = make_case(rng, [1, 17, 2, 0, 3], in_f=40, out_f=36, slot_ranks=[256, 256, 3],
+                     dora_slots=[2])  # fmt: skip
+    meta = case["meta"]
+    meta["seg_slots"] = np.asarray([-1, 1, -1, 2, 2], np.int32)  # segment 0: composed only
+    meta["comp_segs"] = np.asarray([0, 1, 0], np.int32)
+    meta["comp_slots"] = np.asarray([1, 0, 0], np.int32)
+    meta["comp_weights"] = np.asarray([0.5, -0.75, 1.25], np.float32)
+    check_case(emu, dtype, case)
+    meta["comp_slots"] = np.asarray([1, 1, 0], np.int32)  # segment 1: 256 twice, one slot
+    check_case(emu, dtype, case)
+
+
 def test_a_rank_over_the_kernel_limit_is_a_clear_error(emu):
     rng = np.random.default_rng(8)
     case = make_case(rng, [2, 1], in_f=16, out_f=16, slot_ranks=[513])
@@ -167,9 +228,49 @@ def test_invalid_metadata_is_a_clear_error(emu, name, corrupt, message):
         run_case(emu, "float16", case)
 
 
+COMPOSED_BAD_INPUTS = [
+    ("weight", lambda m: m["comp_weights"].__setitem__(1, np.inf),
+     r"comp_weights\[1\] = inf is not finite"),
+    ("segment", lambda m: m["comp_segs"].__setitem__(0, 3), r"comp_segs\[0\] = 3 must be in"),
+    ("dora_composed", lambda m: m["comp_segs"].__setitem__(0, 2),
+     r"segment 2 composes 2 adapters and slot 4 is DoRA"),
+    ("dora_row", lambda m: m["dora_offsets"].__setitem__(4, 10**9),
+     r"dora_offsets\[4\] = 1000000000 must be -1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,corrupt,message", COMPOSED_BAD_INPUTS,
+                         ids=[b[0] for b in COMPOSED_BAD_INPUTS])  # fmt: skip
+def test_invalid_composition_or_dora_is_a_clear_error(emu, name, corrupt, message, rng):
+    case = make_case(rng, [2, 1, 3], in_f=64, out_f=64, dora_slots=[4])
+    meta = case["meta"]
+    meta["seg_slots"] = np.asarray([4, 3, 4], np.int32)
+    meta["comp_segs"] = np.asarray([1, 1], np.int32)
+    meta["comp_slots"] = np.asarray([0, 2], np.int32)
+    meta["comp_weights"] = np.asarray([0.5, 0.25], np.float32)
+    corrupt(meta)
+    with pytest.raises(ValueError, match=message):
+        run_case(emu, "float16", case)
+
+
+def test_a_composed_rank_over_the_kernel_limit_is_a_clear_error(emu, rng):
+    """Each adapter within the limit, their sum (300 + 300) over it (ExpandTiles' shared v)."""
+    case = make_case(rng, [2, 1], in_f=16, out_f=16, slot_ranks=[300, 300])
+    case["meta"]["seg_slots"] = np.asarray([0, -1], np.int32)
+    case["meta"] |= {
+        "comp_segs": np.asarray([0], np.int32),
+        "comp_slots": np.asarray([1], np.int32),
+        "comp_weights": np.asarray([1.0], np.float32),
+    }
+    message = r"segment 0 composes adapters of total rank 600 at layer 1, over the CUDA kernel's"
+    with pytest.raises(ValueError, match=message):
+        run_case(emu, "float16", case)
+
+
 def test_bad_dtype_is_a_clear_error(emu):
     i64, null = ctypes.c_int64(0), ctypes.c_void_p()
     args = [null] * 5 + [i64, null, null, i64, null, null, i64, i64, null, null] + [i64] * 5
+    args += [null, null, null, i64, null]  # no composition entries, no DoRA rows
     rc = emu.lib.ort_lora_emu_sgmv(ctypes.c_int(2), *args, null)
     assert rc == -1 and emu.error(rc) == "dtype must be 0 (float16) or 1 (bfloat16), got 2"
 
@@ -218,7 +319,7 @@ def run_step(emu, cases: dict, stream: int, in_place_layer: int = 1) -> None:
             got = emu.sgmv("float16", *inputs, c["meta"], layer, stream=stream,
                            in_place=layer == in_place_layer)  # fmt: skip
             f = [from_storage(a, "float16") for a in inputs]
-            want = lora_sgmv(*f, *c["meta"].values(), layer=layer)
+            want = lora_sgmv(*f, **c["meta"], layer=layer)
             atol = TOLERANCE["float16"] * np.abs(want).max()
             np.testing.assert_allclose(from_storage(got, "float16"), want, rtol=0, atol=atol)
 

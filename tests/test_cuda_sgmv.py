@@ -83,7 +83,7 @@ def test_every_layer_of_a_step_reuses_the_modules_upload():
                 inputs = [to_storage(a, "float16") for a in (c["y"], c["x"], key, value)]
                 got = lora_sgmv_numpy(rt, "float16", *inputs, c["meta"], layer, stream=stream)
                 want = lora_sgmv(*[from_storage(a, "float16") for a in inputs],
-                                 *c["meta"].values(), layer=layer)  # fmt: skip
+                                 **c["meta"], layer=layer)  # fmt: skip
                 atol = TOLERANCE["float16"] * np.abs(want).max()
                 np.testing.assert_allclose(from_storage(got, "float16"), want, rtol=0, atol=atol)
     finally:
@@ -92,6 +92,27 @@ def test_every_layer_of_a_step_reuses_the_modules_upload():
     after = sgmv_stats(rt)
     assert after["uploads"] - before["uploads"] == len(MODULES)
     assert after["reused"] - before["reused"] == len(MODULES) * (STEP_LAYERS - 1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["decode", "prefill", "mixed"])
+def test_dora_and_composed_segments_match_reference(dtype, layout, rng):
+    """The device side of test_cuda_emu.py::test_dora_and_composed_tiles_match_reference."""
+    rt = runtime_or_skip(need_device=True)
+    from test_cuda_emu import LAYOUTS, add_composition, make_case
+
+    dora = [1, 4]
+    case = make_case(rng, LAYOUTS[layout], in_f=136, out_f=300, dora_slots=dora)
+    lengths = np.diff(case["meta"]["seg_starts"])
+    with_rows = rng.permutation(np.flatnonzero(lengths))
+    case["meta"]["seg_slots"][with_rows[:4]] = [1, 4, -1, 0]
+    add_composition(rng, case, dora)
+    placed, meta = case["placed"], case["meta"]
+    inputs = [to_storage(a, dtype) for a in (case["y"], case["x"])]
+    inputs += [to_storage(placed.key_cache, dtype), to_storage(placed.value_cache, dtype)]
+    got = from_storage(lora_sgmv_numpy(rt, dtype, *inputs, meta, case["layer"]), dtype)
+    want = lora_sgmv(*[from_storage(a, dtype) for a in inputs], **meta, layer=case["layer"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE[dtype] * np.abs(want).max())
 
 
 def check_against_reference(rt, dtype: str, ranks: list[int], layout: str, in_place=False):
@@ -114,7 +135,7 @@ def check_against_reference(rt, dtype: str, ranks: list[int], layout: str, in_pl
     got = lora_sgmv_numpy(rt, dtype, y, x, key, value, meta, layer, in_place=in_place)
     got = from_storage(got, dtype)
     f = [from_storage(a, dtype) for a in (y, x, key, value)]
-    want = lora_sgmv(*f, *meta.values(), layer=layer)
+    want = lora_sgmv(*f, **meta, layer=layer)
     assert np.isfinite(got).all(), "the kernel read pool elements outside the adapter rows"
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE[dtype] * scale)
@@ -149,7 +170,9 @@ def test_unknown_dtype_is_refused_before_any_cuda_call():
     args = [ctypes.c_int(7)] + [ctypes.c_void_p(0)] * 5 + [ctypes.c_int64(0)]
     args += [ctypes.c_void_p(0)] * 2 + [ctypes.c_int64(1)] + [ctypes.c_void_p(0)] * 2
     args += [ctypes.c_int64(1)] * 2 + [ctypes.c_void_p(0)] * 2 + [ctypes.c_int64(1)]
-    args += [ctypes.c_int64(0)] + [ctypes.c_int64(1)] * 3 + [ctypes.c_void_p(0)]
+    args += [ctypes.c_int64(0)] + [ctypes.c_int64(1)] * 3
+    args += [ctypes.c_void_p(0)] * 3 + [ctypes.c_int64(0)] + [ctypes.c_void_p(0)]  # comp, DoRA
+    args += [ctypes.c_void_p(0)]  # the stream
     assert rt.lib.ort_lora_cuda_sgmv(*args) == -1
     msg = rt.lib.ort_lora_cuda_error_string(-1).decode()
     assert msg == "dtype must be 0 (float16) or 1 (bfloat16), got 7"

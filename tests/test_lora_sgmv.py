@@ -1,11 +1,14 @@
 """LoraSGMV CPU kernel vs the numpy reference (ort_lora/ops/lora_sgmv_ref.py).
 
-Every test runs for both adapter-row types: float32 pool elements (no attribute), and bfloat16
-packed two per pool element (attribute adapter_dtype = 16). Every case draws fresh random data
-from the `rng` fixture (seeded from the test id, the seed reported on failure); the pool is NaN
-outside the adapter rows, so a kernel reading anywhere else fails the comparison. The reference
-widens the same stored bfloat16 values, so both row types share the float32-accumulation
-tolerance.
+Plain segments, DoRA segments (a DoRA row scales the segment's rows) and composed segments
+(several weighted adapters over one segment's rows), mixed in one call with base rows. The
+10-input node (no composition, no DoRA: what exports before them carry) and the 14-input node
+both run. Every test runs for both adapter-row types: float32 pool elements (no attribute), and
+bfloat16 packed two per pool element (attribute adapter_dtype = 16). Every case draws fresh
+random data from the `rng` fixture (seeded from the test id, the seed reported on failure); the
+pool is NaN outside the adapter rows, so a kernel reading anywhere else fails the comparison.
+The reference widens the same stored bfloat16 values, so both row types share the
+float32-accumulation tolerance.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ INPUTS = [
     ("ranks", TensorProto.INT32, 2),
     ("scales", TensorProto.FLOAT, 2),
 ]
+OPTIONAL_INPUTS = [  # composition entries [E] and DoRA rows [num_slots]
+    ("comp_segs", TensorProto.INT32, 1),
+    ("comp_slots", TensorProto.INT32, 1),
+    ("comp_weights", TensorProto.FLOAT, 1),
+    ("dora_offsets", TensorProto.INT64, 1),
+]
 # Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
 RTOL = {"float32": 1e-5, "bfloat16": 1e-5}
 # Adapter-row dtype -> node attributes: float32 rows are the default (no attribute).
@@ -47,19 +56,25 @@ def make_session(
     layer: int,
     input_types: dict[str, int] | None = None,
     shapeless: bool = False,
+    optional: tuple[str, ...] = (),
     **attrs,
 ) -> ort.InferenceSession:
     """A one-node LoraSGMV model; input_types overrides declared input element types;
-    shapeless declares no input ranks (so the op itself, not ORT, checks them); attrs are
-    further node attributes (adapter_dtype)."""
-    types = {name: t for name, t, _ in INPUTS} | (input_types or {})
+    shapeless declares no input ranks (so the op itself, not ORT, checks them); optional names
+    the optional inputs the node has (the others are left out: ""); attrs are further node
+    attributes (adapter_dtype)."""
+    used = INPUTS + [i for i in OPTIONAL_INPUTS if i[0] in optional]
+    types = {name: t for name, t, _ in used} | (input_types or {})
     graph_inputs = [
         helper.make_tensor_value_info(name, types[name], None if shapeless else [None] * rank)
-        for name, _, rank in INPUTS
+        for name, _, rank in used
     ]
+    names = [n for n, _, _ in INPUTS]
+    if optional:
+        names += [n if n in optional else "" for n, _, _ in OPTIONAL_INPUTS]
     node = helper.make_node(
         "LoraSGMV",
-        [n for n, _, _ in INPUTS],
+        names,
         ["y_out"],
         domain=ort_lora.OPS_DOMAIN,
         layer=layer,
@@ -73,24 +88,40 @@ def make_session(
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-_SESSIONS: dict[tuple[int, str], ort.InferenceSession] = {}
+ALL_OPTIONAL = tuple(n for n, _, _ in OPTIONAL_INPUTS)
+_SESSIONS: dict[tuple[int, str, bool], ort.InferenceSession] = {}
 
 
-def session(layer: int = 0, adapter_dtype: str = "float32") -> ort.InferenceSession:
-    """The cached one-node model of `layer` with adapter rows of type adapter_dtype."""
-    key = (layer, adapter_dtype)
+def session(layer: int = 0, adapter_dtype: str = "float32", full: bool = False):
+    """The cached one-node model of `layer` with adapter rows of type adapter_dtype; full: the
+    node has all 14 inputs, else the 10 required ones."""
+    key = (layer, adapter_dtype, full)
     if key not in _SESSIONS:
-        _SESSIONS[key] = make_session(layer, **ATTRS[adapter_dtype])
+        optional = ALL_OPTIONAL if full else ()
+        _SESSIONS[key] = make_session(layer, optional=optional, **ATTRS[adapter_dtype])
     return _SESSIONS[key]
 
 
-def make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None):
+def make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None,
+              comp=None, dora_slots=()):  # fmt: skip
     """Feeds for one call; dtype is the adapter rows' type in the pool; layer_ranks
-    [num_layers, num_slots] defaults to slot_ranks."""
-    placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f, adapter_dtype=dtype)
+    [num_layers, num_slots] defaults to slot_ranks. comp: composition entries [(segment, slot,
+    weight)] and dora_slots: the slots with a DoRA row; either one makes a 14-input case."""
+    placed = place_random_adapters(
+        rng, list(slot_ranks), in_f, out_f, adapter_dtype=dtype, dora_slots=list(dora_slots)
+    )
     ranks = np.array(layer_ranks if layer_ranks is not None else [slot_ranks], np.int32)
     num_rows = int(sum(seg_lens))
-    return {
+    optional = {}
+    if comp is not None or dora_slots:
+        segs, slots, weights = zip(*comp) if comp else ((), (), ())
+        optional = {
+            "comp_segs": np.array(segs, np.int32),
+            "comp_slots": np.array(slots, np.int32),
+            "comp_weights": np.array(weights, np.float32),
+            "dora_offsets": placed.dora_offsets,
+        }
+    return optional | {
         "y": rng.standard_normal((num_rows, out_f)).astype(np.float32),
         "x": rng.standard_normal((num_rows, in_f)).astype(np.float32),
         "key_cache": placed.key_cache,
@@ -110,7 +141,7 @@ def assert_close(got, ref, dtype):
 
 
 def check(feeds, dtype, layer=0):
-    got = session(layer, dtype).run(None, feeds)[0]
+    got = session(layer, dtype, full="dora_offsets" in feeds).run(None, feeds)[0]
     ref = lora_sgmv(**feeds, layer=layer, adapter_dtype=dtype)
     assert got.shape == ref.shape
     assert_close(got, ref, dtype)
@@ -303,10 +334,94 @@ def test_adapter_dtype_attribute_of_the_wrong_type():
         make_session(0, adapter_dtype="bfloat16")
 
 
+# ---- DoRA and composed segments ---------------------------------------------------------------
+
+# (seg_lens, seg_slots, composition entries (segment, slot, weight), DoRA slots). Slot ranks
+# come from the test; every layout mixes base rows, plain LoRA, DoRA and composed segments.
+MIXES = {
+    "decode": ([1, 1, 1, 1, 1, 1, 1], [0, 1, -1, 2, -1, 0, 3],
+               [(4, 0, 0.7), (4, 2, 0.3), (5, 2, -0.5)], [1, 3]),
+    "prefill": ([17, 9, 33, 12, 8], [1, -1, 0, 2, 3],
+                [(1, 0, 0.6), (1, 2, 0.4), (3, 0, 1.5)], [1, 3]),
+    "mixed": ([1, 20, 0, 3, 11, 1, 2], [3, 0, -1, -1, -1, 2, 1],
+              [(3, 3, 0.8), (4, 0, 0.25), (4, 2, 0.5), (4, 2, 0.25), (2, 0, 2.0)], [1, 3]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("rank", [1, 8, 64])
+@each_dtype
+def test_dora_and_composed_segments(dtype, rank, mix, rng):
+    """Slots 1 and 3 are DoRA (mixed: slot 3 also as one weighted term, 0.8); slots 0 and 2
+    are composed with weights (negative, repeated too), beside base and plain rows."""
+    seg_lens, seg_slots, comp, dora = MIXES[mix]
+    ranks = [rank, max(1, rank // 2), 3, rank]
+    feeds = make_case(rng, dtype, seg_lens, seg_slots, ranks, 96, 160, comp=comp, dora_slots=dora)
+    check(feeds, dtype)
+
+
+@each_dtype
+def test_dora_rows_scale_only_their_segments(dtype, rng):
+    """Rows of plain and base segments equal the call without DoRA rows, bit for bit; the DoRA
+    segment's rows are (y + delta) * (1 + D), D read from its row."""
+    feeds = make_case(rng, dtype, [6, 4, 9, 2], [0, 1, -1, 1], [8, 4], dora_slots=[1])
+    got = session(0, dtype, full=True).run(None, feeds)[0]
+    plain = dict(feeds, dora_offsets=np.zeros(0, np.int64))
+    without = session(0, dtype, full=True).run(None, plain)[0]
+    dora_rows = np.zeros(21, bool)
+    dora_rows[6:10] = dora_rows[19:21] = True
+    np.testing.assert_array_equal(got[~dora_rows], without[~dora_rows])
+    assert np.abs(got[dora_rows] - without[dora_rows]).max() > 0.05
+    check(feeds, dtype)
+
+
+@each_dtype
+def test_composition_is_the_weighted_sum_of_single_adapter_calls(dtype, rng):
+    """0.7 a + 0.3 b over a segment == y + 0.7 (call with a alone - y) + 0.3 (b alone - y), the
+    single-adapter calls through the 10-input node: the weighted sum of the deltas."""
+    comp = [(0, 0, 0.7), (0, 1, 0.3), (1, 0, 0.7), (1, 1, 0.3)]
+    feeds = make_case(rng, dtype, [5, 12], [-1, -1], [4, 6], comp=comp)
+    got = session(0, dtype, full=True).run(None, feeds)[0]
+    plain = {k: v for k, v in feeds.items() if k not in ALL_OPTIONAL}
+    alone = [
+        session(0, dtype).run(None, dict(plain, seg_slots=np.array([s, s], np.int32)))[0]
+        for s in (0, 1)
+    ]
+    y = feeds["y"]
+    assert_close(got, y + 0.7 * (alone[0] - y) + 0.3 * (alone[1] - y), dtype)
+    check(feeds, dtype)
+
+
+@each_dtype
+def test_optional_inputs_left_out_or_empty(dtype, rng):
+    """The 14-input node with no composition entries and no DoRA rows ([0]), and a node with
+    only dora_offsets, equal the 10-input node."""
+    feeds = make_case(rng, dtype, [3, 8, 2], [0, 1, -1], [4, 16], comp=[])
+    feeds["dora_offsets"] = np.zeros(0, np.int64)
+    plain = {k: v for k, v in feeds.items() if k not in ALL_OPTIONAL}
+    want = session(0, dtype).run(None, plain)[0]
+    np.testing.assert_array_equal(session(0, dtype, full=True).run(None, feeds)[0], want)
+    only_dora = make_session(0, optional=("dora_offsets",), **ATTRS[dtype])
+    got = only_dora.run(None, dict(plain, dora_offsets=np.full(2, -1, np.int64)))[0]
+    np.testing.assert_array_equal(got, want)
+
+
+@each_dtype
+def test_a_composed_term_of_rank_0_at_the_layer(dtype, rng):
+    """Layer 1: slots 1 and 2 have rank 0, so segment 0 (slots 0 + 1) adds slot 0's share
+    alone, and segments 1 (slot 1) and 2 (slot 2, DoRA: its row unread) are left as y."""
+    layer_ranks = [[4, 8, 2], [4, 0, 0]]
+    feeds = make_case(rng, dtype, [6, 5, 3], [0, 1, 2], [4, 8, 2], layer_ranks=layer_ranks,
+                      comp=[(0, 1, 0.5)], dora_slots=[2])  # fmt: skip
+    check(feeds, dtype, layer=1)
+    got = session(1, dtype, full=True).run(None, feeds)[0]
+    np.testing.assert_array_equal(got[6:], feeds["y"][6:])
+
+
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
-    cases = "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache"
+    cases = "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora"
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
     env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -319,7 +434,7 @@ def test_narrower_isa_kernels(isa):
 
 def run_expect_error(feeds, match, dtype, layer=0):
     with pytest.raises(Exception, match=match):
-        session(layer, dtype).run(None, feeds)
+        session(layer, dtype, full="dora_offsets" in feeds).run(None, feeds)
 
 
 def valid_feeds(rng, dtype):
@@ -402,3 +517,62 @@ def test_layer_attribute_out_of_range(dtype, rng):
 def test_negative_layer_attribute(dtype):
     with pytest.raises(Exception, match="attribute 'layer' must be >= 0, got -1"):
         make_session(-1, **ATTRS[dtype])
+
+
+def composed_feeds(rng, dtype):
+    """Segment 0: slot 0 (plain); 1: slots 0 + 1 composed; 2: base; 3: slot 2 (DoRA)."""
+    return make_case(rng, dtype, [3, 2, 4, 2], [0, 0, -1, 2], [4, 4, 4],
+                     comp=[(1, 1, 0.5)], dora_slots=[2])  # fmt: skip
+
+
+def _set(name, index, value):
+    return lambda f: f[name].__setitem__(index, value)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (_set("comp_weights", 0, np.nan), r"comp_weights\[0\] = nan is not finite"),
+        (_set("comp_weights", 0, -np.inf), r"comp_weights\[0\] = -inf is not finite"),
+        (_set("comp_segs", 0, 4), r"comp_segs\[0\] = 4 must be in \[0, 4\) \(S"),
+        (_set("comp_slots", 0, -1), r"comp_slots\[0\] = -1 must be in \[0, 3\)"),
+        (_set("comp_segs", 0, 3), r"segment 3 composes 2 adapters and slot 2 is DoRA"),
+        (_set("seg_slots", 1, 2), r"segment 1 composes 2 adapters and slot 2 is DoRA"),
+        (_set("dora_offsets", 2, -2), r"dora_offsets\[2\] = -2 must be -1 \(no DoRA row\)"),
+        (
+            lambda f: f["dora_offsets"].__setitem__(2, 2 * f["key_cache"].size - 5),
+            r"dora_offsets\[2\] = \d+ is an out-of-range page",
+        ),
+        (
+            lambda f: f.update(dora_offsets=f["dora_offsets"][:1]),
+            r"input 'dora_offsets' dim 0 must be 3 \(num_slots, as a_offsets, or 0",
+        ),
+        (
+            lambda f: f.update(comp_weights=f["comp_weights"][:0]),
+            r"input 'comp_weights' dim 0 must be 1 \(E, as comp_segs\)",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+@each_dtype
+def test_bad_composition_and_dora_inputs(dtype, mutate, match, rng):
+    feeds = composed_feeds(rng, dtype)
+    check(dict(feeds), dtype)  # valid as made
+    mutate(feeds)
+    run_expect_error(feeds, match, dtype)
+
+
+def test_composition_inputs_go_together(rng):
+    feeds = composed_feeds(rng, "float32")
+    sess = make_session(0, optional=("comp_segs", "comp_slots", "dora_offsets"))
+    feeds.pop("comp_weights")
+    with pytest.raises(Exception, match="'comp_segs', 'comp_slots' and 'comp_weights' go together"):
+        sess.run(None, feeds)
+
+
+@each_dtype
+def test_composed_rank_over_the_limit(dtype, rng):
+    """Each adapter within the limit, their sum (300 + 300) over it: named."""
+    feeds = make_case(rng, dtype, [2], [0], [300, 300], in_f=8, out_f=8, comp=[(0, 1, 1.0)])
+    run_expect_error(feeds, r"segment 0 composes adapters of total rank 600 at layer 0, a rank "
+                     "over the limit 512", dtype)  # fmt: skip

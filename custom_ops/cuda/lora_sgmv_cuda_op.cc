@@ -77,11 +77,15 @@ ONNXTensorElementDataType LoraSgmvCudaOp::GetInputType(size_t index) const {
     case kSegStarts:
     case kSegSlots:
     case kRanks:
+    case kCompSegs:
+    case kCompSlots:
       return kInt32;
     case kAOffsets:
     case kBOffsets:
+    case kDoraOffsets:
       return kInt64;
     case kScales:
+    case kCompWeights:
       return kFloat;
     default:
       return ElementType();

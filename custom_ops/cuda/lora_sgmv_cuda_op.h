@@ -3,13 +3,15 @@
 //   0 y T [T, out]   1 x T [T, in]   2 key_cache T [...]   3 value_cache T [...]   (device)
 //   4 seg_starts int32 [S + 1]  5 seg_slots int32 [S]  6 a_offsets int64 [num_slots, max_rank]
 //   7 b_offsets int64 [num_slots, max_rank]  8 ranks int32 [L, num_slots]
-//   9 scales float [L, num_slots]                                         (host, see below)
+//   9 scales float [L, num_slots]  10 comp_segs int32 [E]  11 comp_slots int32 [E]
+//  12 comp_weights float [E]  13 dora_offsets int64 [num_slots] or [0]    (host, see below)
+//   (10..13 optional: composition entries and DoRA rows, as the CPU op defines them)
 //   output 0 y_out T [T, out] (device); attribute layer.
 // Attribute adapter_dtype (optional int): adapter rows are always T here, so if present it must
 // be T's ONNX element type (10 float16, 16 bfloat16); any other value fails at kernel creation.
 // (Packed bfloat16 rows in a float32 pool are the CPU op's alone; the exporter never sets the
 // attribute on CUDA graphs.) This check has no test without a GPU.
-// Metadata choice: inputs 4..9 are declared OrtMemTypeCPUInput, so ORT hands them over in host
+// Metadata choice: inputs 4..13 are declared OrtMemTypeCPUInput, so ORT hands them over in host
 // memory (graph inputs bound on the CPU are used as they are). The kernel validates them on the
 // host exactly like the CPU op (a bad offset is an error, never an out-of-bounds read), builds
 // a plan of row tiles plus the step's tables (cuda/sgmv_plan.h) and runs it on ORT's compute
@@ -17,11 +19,12 @@
 // and the v scratch is the stream's own, grown stream-ordered (cudaMallocAsync on that stream),
 // so no ORT allocator is involved. A null compute stream is an error, never the legacy default
 // stream. Output 0 may reuse input 0's buffer (MayInplace): ORT then skips the y -> y_out copy.
-// Limits: rank <= 512, T < 2^31.
+// Limits: rank <= 512 (also a composed segment's ranks summed), T < 2^31.
 #pragma once
 
 #include "common/ort_common.h"
 #include "cuda/sgmv_launcher.h"
+#include "lora_sgmv/lora_sgmv_inputs.h"
 
 namespace ort_lora {
 
@@ -40,9 +43,12 @@ struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, tr
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 10; }
+  size_t GetInputTypeCount() const { return 14; }
   ONNXTensorElementDataType GetInputType(size_t index) const;
   OrtMemType GetInputMemoryType(size_t index) const;
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= kCompSegs ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType(); }
 

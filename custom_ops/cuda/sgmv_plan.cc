@@ -22,6 +22,8 @@ void Put(std::vector<uint8_t>& out, size_t at, const T* data, int64_t count) {
   if (count > 0) std::memcpy(out.data() + at, data, static_cast<size_t>(count) * sizeof(T));
 }
 
+int64_t DoraCount(const SgmvMetadata& m) { return m.dora_offsets == nullptr ? 0 : m.num_slots; }
+
 }  // namespace
 
 SgmvPlan::Layout SgmvPlan::GetLayout() const {
@@ -30,9 +32,11 @@ SgmvPlan::Layout SgmvPlan::GetLayout() const {
   Layout l{};
   l.a_offsets = 0;
   l.b_offsets = l.a_offsets + offsets;
-  l.ranks = l.b_offsets + offsets;
+  l.dora_offsets = l.b_offsets + offsets;
+  l.ranks = l.dora_offsets + static_cast<size_t>(DoraCount(meta)) * sizeof(int64_t);
   l.scales = AlignUp(l.ranks + per_layer, 8);
-  l.tiles = AlignUp(l.scales + per_layer, 8);
+  l.terms = AlignUp(l.scales + per_layer, 8);
+  l.tiles = AlignUp(l.terms + terms.size() * sizeof(SgmvTerm), 8);
   l.bytes = l.tiles + tiles.size() * sizeof(SgmvTile);
   return l;
 }
@@ -44,8 +48,10 @@ void SgmvPlan::Serialize(std::vector<uint8_t>& out) const {
                 per_layer = meta.num_layers * meta.num_slots;
   Put(out, l.a_offsets, meta.a_offsets, offsets);
   Put(out, l.b_offsets, meta.b_offsets, offsets);
+  Put(out, l.dora_offsets, meta.dora_offsets, DoraCount(meta));
   Put(out, l.ranks, meta.ranks, per_layer);
   Put(out, l.scales, meta.scales, per_layer);
+  Put(out, l.terms, terms.data(), static_cast<int64_t>(terms.size()));
   Put(out, l.tiles, tiles.data(), static_cast<int64_t>(tiles.size()));
 }
 
@@ -61,18 +67,23 @@ SgmvPlan BuildSgmvPlan(const SgmvMetadata& m, const SgmvPool& pool) {
          ", ", m.max_rank, "]; the CUDA kernel takes dims < 2^31");
   SgmvPlan plan;
   plan.meta = m;
-  std::vector<const void*> rows;  // resolved by the checks; the kernels resolve the offsets
-  for (const SgmvActiveSegment& a : CheckSgmvSegments(m, pool, kRankLimit, rows))
+  const SgmvTerms terms = ListSgmvTerms(m);
+  // The checks resolve the rows too; the kernels resolve the offsets themselves.
+  for (const SgmvActiveSegment& a : CheckSgmvSegments(m, terms, pool, kRankLimit).segments)
     plan.layer_max_rank = std::max(plan.layer_max_rank, static_cast<int32_t>(a.rank));
-  // Tiles for every segment with a slot and rows, also those whose rank is 0 at this layer (the
+  for (size_t i = 0; i < terms.slots.size(); ++i)
+    plan.terms.push_back(SgmvTerm{terms.slots[i], terms.weights[i]});
+  // Tiles for every segment with terms and rows, also those whose rank is 0 at this layer (the
   // kernels skip them): the tiles, like the tables, are then the same for every layer.
   std::vector<SgmvTile> bgmv;
   for (int64_t s = 0; s < m.num_segments; ++s) {
-    const int32_t slot = m.seg_slots[s], begin = m.seg_starts[s], end = m.seg_starts[s + 1];
-    if (slot < 0 || begin == end) continue;
+    const int32_t begin = m.seg_starts[s], end = m.seg_starts[s + 1];
+    const auto first = static_cast<int32_t>(terms.starts[s]);
+    const auto count = static_cast<int32_t>(terms.starts[s + 1] - terms.starts[s]);
+    if (count == 0 || begin == end) continue;
     for (int32_t r = begin; r < end; r += kTileRows) {
       const int32_t n = std::min<int32_t>(kTileRows, end - r);
-      (n <= kBgmvMaxRows ? bgmv : plan.tiles).push_back(SgmvTile{r, n, slot});
+      (n <= kBgmvMaxRows ? bgmv : plan.tiles).push_back(SgmvTile{r, n, first, count});
     }
   }
   plan.num_sgmv_tiles = static_cast<int32_t>(plan.tiles.size());
@@ -85,25 +96,28 @@ SgmvArgs PlanArgs(const SgmvPlan& plan, const void* device_plan, float* v, const
   const auto* base = static_cast<const uint8_t*>(device_plan);
   const SgmvPlan::Layout l = plan.GetLayout();
   const SgmvMetadata& m = plan.meta;
-  return SgmvArgs{x,
-                  y_out,
-                  v,
-                  pool.key_cache,
-                  pool.value_cache,
-                  pool.half,
-                  reinterpret_cast<const SgmvTile*>(base + l.tiles),
-                  reinterpret_cast<const int64_t*>(base + l.a_offsets),
-                  reinterpret_cast<const int64_t*>(base + l.b_offsets),
-                  reinterpret_cast<const int32_t*>(base + l.ranks),
-                  reinterpret_cast<const float*>(base + l.scales),
-                  m.in_features,
-                  m.out_features,
-                  static_cast<int32_t>(m.layer),
-                  static_cast<int32_t>(m.num_slots),
-                  static_cast<int32_t>(m.max_rank),
-                  plan.layer_max_rank,
-                  plan.num_sgmv_tiles,
-                  static_cast<int32_t>(plan.tiles.size()) - plan.num_sgmv_tiles};
+  return SgmvArgs{
+      x,
+      y_out,
+      v,
+      pool.key_cache,
+      pool.value_cache,
+      pool.half,
+      reinterpret_cast<const SgmvTile*>(base + l.tiles),
+      reinterpret_cast<const SgmvTerm*>(base + l.terms),
+      reinterpret_cast<const int64_t*>(base + l.a_offsets),
+      reinterpret_cast<const int64_t*>(base + l.b_offsets),
+      m.dora_offsets == nullptr ? nullptr : reinterpret_cast<const int64_t*>(base + l.dora_offsets),
+      reinterpret_cast<const int32_t*>(base + l.ranks),
+      reinterpret_cast<const float*>(base + l.scales),
+      m.in_features,
+      m.out_features,
+      static_cast<int32_t>(m.layer),
+      static_cast<int32_t>(m.num_slots),
+      static_cast<int32_t>(m.max_rank),
+      plan.layer_max_rank,
+      plan.num_sgmv_tiles,
+      static_cast<int32_t>(plan.tiles.size()) - plan.num_sgmv_tiles};
 }
 
 }  // namespace ort_lora

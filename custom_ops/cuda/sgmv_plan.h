@@ -24,17 +24,19 @@ namespace ort_lora {
 // A launch plan for one call (one layer).
 struct SgmvPlan {
   SgmvMetadata meta;            // the host tables the plan points into (valid for the call)
-  std::vector<SgmvTile> tiles;  // every segment with a slot and rows: SGMV tiles, then BGMV
+  std::vector<SgmvTerm> terms;  // every segment's terms (ListSgmvTerms), segment by segment
+  std::vector<SgmvTile> tiles;  // every segment with a term and rows: SGMV tiles, then BGMV
   int32_t num_sgmv_tiles = 0;
   int32_t layer_max_rank = 0;  // the largest rank at meta.layer of any tile; 0: nothing to add
 
   // Where each part lies in the uploaded bytes (8-aligned, offsets first so that the plans of
-  // different modules differ early).
+  // different modules differ early). dora_offsets is empty when meta has none.
   struct Layout {
-    size_t a_offsets, b_offsets, ranks, scales, tiles, bytes;
+    size_t a_offsets, b_offsets, dora_offsets, ranks, scales, terms, tiles, bytes;
   };
   Layout GetLayout() const;
-  // The bytes to upload: a_offsets, b_offsets, ranks, scales, tiles (Layout). Reuses `out`.
+  // The bytes to upload: a_offsets, b_offsets, dora_offsets, ranks, scales, terms, tiles
+  // (Layout). Reuses `out`.
   void Serialize(std::vector<uint8_t>& out) const;
   // Device scratch for v: float [num_rows, layer_max_rank].
   size_t VBytes() const;
@@ -88,26 +90,30 @@ SgmvStats GetSgmvStats();
 // The C entries ort_lora_cuda_sgmv (cuda_runtime_c.cc) and ort_lora_emu_sgmv (emu/) share
 // their arguments (one Python helper builds both): dtype (0 float16, 1 bfloat16), x, y, y_out,
 // the layer's key_cache / value_cache (`half` elements each), the metadata laid out as in the
-// op, then the stream.
+// op (comp_* null when num_comp is 0; dora_offsets null: no DoRA rows), then the stream.
 #define ORT_LORA_SGMV_C_PARAMS                                                                     \
   int dtype, const void *x, const void *y, void *y_out, const void *key_cache,                     \
       const void *value_cache, int64_t half, const int32_t *seg_starts, const int32_t *seg_slots,  \
       int64_t num_segments, const int64_t *a_offsets, const int64_t *b_offsets, int64_t num_slots, \
       int64_t max_rank, const int32_t *ranks, const float *scales, int64_t num_layers,             \
-      int64_t layer, int64_t num_rows, int64_t in_features, int64_t out_features, void *stream
+      int64_t layer, int64_t num_rows, int64_t in_features, int64_t out_features,                  \
+      const int32_t *comp_segs, const int32_t *comp_slots, const float *comp_weights,              \
+      int64_t num_comp, const int64_t *dora_offsets, void *stream
 // Inside a C entry: its pool, its metadata, all its arguments as SgmvCEntry takes them, and
 // all of them as ORT_LORA_SGMV_C_PARAMS declares them (to call another entry).
 #define ORT_LORA_SGMV_C_POOL (ort_lora::SgmvPool{key_cache, value_cache, half, 2, false})
 #define ORT_LORA_SGMV_C_META                                                              \
   (ort_lora::SgmvMetadata{seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales,     \
                           num_segments, num_slots, max_rank, num_layers, layer, num_rows, \
-                          in_features, out_features})
+                          in_features, out_features, comp_segs, comp_slots, comp_weights, \
+                          num_comp, dora_offsets})
 #define ORT_LORA_SGMV_C_ARGS \
   dtype, x, y, y_out, ORT_LORA_SGMV_C_POOL, ORT_LORA_SGMV_C_META, static_cast<cudaStream_t>(stream)
-#define ORT_LORA_SGMV_C_FORWARD                                                              \
-  dtype, x, y, y_out, key_cache, value_cache, half, seg_starts, seg_slots, num_segments,     \
-      a_offsets, b_offsets, num_slots, max_rank, ranks, scales, num_layers, layer, num_rows, \
-      in_features, out_features, stream
+#define ORT_LORA_SGMV_C_FORWARD                                                               \
+  dtype, x, y, y_out, key_cache, value_cache, half, seg_starts, seg_slots, num_segments,      \
+      a_offsets, b_offsets, num_slots, max_rank, ranks, scales, num_layers, layer, num_rows,  \
+      in_features, out_features, comp_segs, comp_slots, comp_weights, num_comp, dora_offsets, \
+      stream
 
 // The C entries' body: checks dtype, plans, runs. Returns 0, -1 (invalid input: message) or
 // the cudaError_t of a failed CUDA call (message names the call).

@@ -1,6 +1,8 @@
 // LoraSGMV metadata checks (lora_sgmv_checks.h).
 #include "lora_sgmv/lora_sgmv_checks.h"
 
+#include <cmath>
+
 #include "common/errors.h"
 
 namespace ort_lora {
@@ -26,6 +28,39 @@ int64_t CheckedSlot(const SgmvMetadata& m, int64_t seg) {
   return slot;
 }
 
+void CheckCompEntry(const SgmvMetadata& m, int64_t e) {
+  const int64_t seg = m.comp_segs[e], slot = m.comp_slots[e];
+  const float w = m.comp_weights[e];
+  if (seg < 0 || seg >= m.num_segments)
+    Fail("comp_segs[", e, "] = ", seg, " must be in [0, ", m.num_segments, ") (S, the segments)");
+  if (slot < 0 || slot >= m.num_slots)
+    Fail("comp_slots[", e, "] = ", slot, " must be in [0, ", m.num_slots, ") (num_slots)");
+  if (!std::isfinite(w)) Fail("comp_weights[", e, "] = ", w, " is not finite");
+}
+
+int64_t DoraOffset(const SgmvMetadata& m, int64_t slot) {
+  return m.dora_offsets == nullptr ? -1 : m.dora_offsets[slot];
+}
+
+void CheckDoraOffsets(const SgmvMetadata& m, int64_t half) {
+  if (m.dora_offsets == nullptr) return;
+  for (int64_t s = 0; s < m.num_slots; ++s)
+    if (m.dora_offsets[s] < -1 || m.dora_offsets[s] > 2 * half)
+      Fail("dora_offsets[", s, "] = ", m.dora_offsets[s],
+           " must be -1 (no DoRA row) or a pool element in [0, ", 2 * half, "]");
+}
+
+// A composed segment (two or more terms) must not hold a slot with a DoRA row.
+void CheckDoraNotComposed(const SgmvMetadata& m, const SgmvTerms& t, int64_t seg) {
+  const int64_t n = t.starts[seg + 1] - t.starts[seg];
+  for (int64_t i = t.starts[seg]; n > 1 && i < t.starts[seg + 1]; ++i) {
+    const int64_t slot = t.slots[i];
+    if (DoraOffset(m, slot) >= 0)
+      Fail("segment ", seg, " composes ", n, " adapters and slot ", slot, " is DoRA (dora_offsets[",
+           slot, "] = ", DoraOffset(m, slot), "): DoRA adapters cannot be composed");
+  }
+}
+
 int64_t CheckedRank(const SgmvMetadata& m, const SgmvRankLimit& limit, int64_t slot) {
   const int64_t rank = m.ranks[m.layer * m.num_slots + slot];
   if (rank < 0 || rank > m.max_rank)
@@ -38,6 +73,7 @@ int64_t CheckedRank(const SgmvMetadata& m, const SgmvRankLimit& limit, int64_t s
 
 // Address of the row of `features` values at pool element `offset`; the pool elements it spans
 // (`features`, or ceil(features / 2) for bfloat16 rows) must lie inside one of the halves.
+// The error names the row as name[slot, j], or name[slot] when j < 0.
 const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const char* name,
                 int64_t slot, int64_t j) {
   const auto* key = static_cast<const char*>(pool.key_cache);
@@ -49,13 +85,15 @@ const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const ch
   if (offset >= half && offset - half < half && len <= 2 * half - offset)
     return value + (offset - half) * pool.elem_size;
   if (len == 0 && offset >= 0 && offset <= 2 * half) return key;  // empty rows read nothing
+  std::ostringstream at;
+  at << name << "[" << slot;
+  if (j >= 0) at << ", " << j;
+  at << "] = " << offset << " is an out-of-range page: a row of ";
   if (pool.bf16_rows)
-    Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ", features,
-         " bfloat16 (", len, " pool elements) must lie inside key_cache [0, ", half,
-         ") or value_cache [", half, ", ", 2 * half, ")");
-  Fail(name, "[", slot, ", ", j, "] = ", offset, " is an out-of-range page: a row of ", len,
-       " elements must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ", 2 * half,
-       ")");
+    Fail(at.str(), features, " bfloat16 (", len, " pool elements) must lie inside key_cache [0, ",
+         half, ") or value_cache [", half, ", ", 2 * half, ")");
+  Fail(at.str(), len, " elements must lie inside key_cache [0, ", half, ") or value_cache [", half,
+       ", ", 2 * half, ")");
 }
 
 // Appends the slot's rank A row pointers, then its rank B^T row pointers, checking each row.
@@ -77,25 +115,66 @@ void CheckSgmvLayer(const SgmvMetadata& m) {
          " (ranks.shape[0])");
 }
 
-std::vector<SgmvActiveSegment> CheckSgmvSegments(const SgmvMetadata& m, const SgmvPool& pool,
-                                                 const SgmvRankLimit& limit,
-                                                 std::vector<const void*>& rows) {
+SgmvTerms ListSgmvTerms(const SgmvMetadata& m) {
   CheckSegStarts(m);
-  std::vector<int64_t> slot_rows(m.num_slots, -1);  // where a slot's pointers start in rows
-  std::vector<SgmvActiveSegment> active;
-  for (int64_t s = 0; s < m.num_segments; ++s) {
-    const int64_t slot = CheckedSlot(m, s);
-    if (slot < 0 || m.seg_starts[s] == m.seg_starts[s + 1]) continue;
-    const int64_t rank = CheckedRank(m, limit, slot);
-    if (rank == 0) continue;
-    if (slot_rows[slot] < 0) {
-      slot_rows[slot] = static_cast<int64_t>(rows.size());
-      AddSlotRows(m, pool, slot, rank, rows);
-    }
-    active.push_back({s, slot, m.seg_starts[s], m.seg_starts[s + 1], rank,
-                      m.scales[m.layer * m.num_slots + slot], slot_rows[slot]});
+  std::vector<int64_t> count(m.num_segments, 0);  // terms per segment
+  for (int64_t s = 0; s < m.num_segments; ++s) count[s] = CheckedSlot(m, s) >= 0;
+  for (int64_t e = 0; e < m.num_comp; ++e) {
+    CheckCompEntry(m, e);
+    ++count[m.comp_segs[e]];
   }
-  return active;
+  SgmvTerms t;
+  t.starts.assign(m.num_segments + 1, 0);
+  for (int64_t s = 0; s < m.num_segments; ++s) t.starts[s + 1] = t.starts[s] + count[s];
+  t.slots.resize(t.starts[m.num_segments]);
+  t.weights.resize(t.slots.size());
+  std::vector<int64_t> next(t.starts.begin(), t.starts.end() - 1);
+  for (int64_t s = 0; s < m.num_segments; ++s)
+    if (m.seg_slots[s] >= 0) t.slots[next[s]] = m.seg_slots[s], t.weights[next[s]++] = 1.0f;
+  for (int64_t e = 0; e < m.num_comp; ++e) {
+    const int64_t i = next[m.comp_segs[e]]++;
+    t.slots[i] = m.comp_slots[e], t.weights[i] = m.comp_weights[e];
+  }
+  t.dora.assign(m.num_segments, false);
+  for (int64_t s = 0; s < m.num_segments; ++s) {
+    CheckDoraNotComposed(m, t, s);
+    t.dora[s] = count[s] == 1 && DoraOffset(m, t.slots[t.starts[s]]) >= 0;
+  }
+  return t;
+}
+
+SgmvCheckedCall CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms,
+                                  const SgmvPool& pool, const SgmvRankLimit& limit) {
+  CheckDoraOffsets(m, pool.half);
+  std::vector<int64_t> slot_rows(m.num_slots, -1);  // where a slot's pointers start in rows
+  SgmvCheckedCall call;
+  for (int64_t s = 0; s < m.num_segments; ++s) {
+    if (m.seg_starts[s] == m.seg_starts[s + 1]) continue;
+    SgmvActiveSegment seg{
+        s, m.seg_starts[s], m.seg_starts[s + 1], 0, static_cast<int64_t>(call.terms.size()),
+        0, nullptr};
+    for (int64_t i = terms.starts[s]; i < terms.starts[s + 1]; ++i) {
+      const int64_t slot = terms.slots[i], rank = CheckedRank(m, limit, slot);
+      if (rank == 0) continue;
+      if (slot_rows[slot] < 0) {
+        slot_rows[slot] = static_cast<int64_t>(call.rows.size());
+        AddSlotRows(m, pool, slot, rank, call.rows);
+      }
+      const float scale = m.scales[m.layer * m.num_slots + slot] * terms.weights[i];
+      call.terms.push_back({slot, rank, scale, slot_rows[slot]});
+      seg.rank += rank, ++seg.num_terms;
+    }
+    if (seg.num_terms == 0) continue;
+    if (seg.rank > limit.max)
+      Fail("segment ", s, " composes adapters of total rank ", seg.rank, " at layer ", m.layer,
+           ", ", limit.what, " ", limit.max);
+    if (terms.dora[s]) {
+      const int64_t slot = terms.slots[terms.starts[s]];
+      seg.dora = Row(pool, m.dora_offsets[slot], m.out_features, "dora_offsets", slot, -1);
+    }
+    call.segments.push_back(seg);
+  }
+  return call;
 }
 
 }  // namespace ort_lora

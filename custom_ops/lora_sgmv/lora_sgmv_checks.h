@@ -7,16 +7,21 @@
 // naming the element and the expected range:
 //   layer         in [0, num_layers)                                     CheckSgmvLayer
 //   seg_starts    seg_starts[0] = 0 <= seg_starts[1] <= ... <= seg_starts[S] = T
-//   then segment by segment (s = 0 .. S-1):                              CheckSgmvSegments
-//     seg_slots[s]       in [-1, num_slots)
-//     the rest only for a segment with an adapter (slot >= 0) and rows:
-//     ranks[layer, slot] in [0, max_rank] and <= the provider's limit (SgmvRankLimit)
-//     the first time a slot is used, rows j < rank of A then of B^T:
+//   seg_slots[s]  in [-1, num_slots)                                     ListSgmvTerms
+//   composition entries e = 0 .. E-1:
+//     comp_segs[e] in [0, S), comp_slots[e] in [0, num_slots), comp_weights[e] finite
+//   dora_offsets[slot] in {-1} or [0, 2 half]; a slot with a DoRA row (>= 0) is the only term
+//     of every segment it appears in (a DoRA adapter cannot be composed)
+//   then segment by segment (s = 0 .. S-1), for a segment with rows:     CheckSgmvSegments
+//     ranks[layer, slot] in [0, max_rank] and <= the provider's limit (SgmvRankLimit), for
+//     each of its terms; the sum over its terms also <= the limit
+//     the first time a slot of rank > 0 is used, rows j < rank of A then of B^T:
 //       a_offsets[slot, j] / b_offsets[slot, j] = o: the row of in / out features at pool
 //       element o lies wholly inside key_cache [0, half) or value_cache [half, 2 half);
 //       a row of n bfloat16 packed in a float32 pool spans ceil(n / 2) pool elements. An empty
 //       row (0 features) reads nothing: any o in [0, 2 half] will do.
-// Offsets of rows j >= rank are never read.
+//     a DoRA segment with an active term: its dora_offsets row of out features, likewise.
+// Offsets of rows j >= rank, and DoRA rows of slots no active DoRA segment uses, are never read.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +40,13 @@ struct SgmvMetadata {
   int64_t num_segments, num_slots, max_rank, num_layers, layer;
   int64_t num_rows;      // T, the rows of x and y
   int64_t in_features;   // the length of a row of A
-  int64_t out_features;  // the length of a row of B^T
+  int64_t out_features;  // the length of a row of B^T (and of a DoRA row)
+  // Composition: E more (segment, slot, weight) terms; null pointers when E = 0.
+  const int32_t* comp_segs;     // [E]
+  const int32_t* comp_slots;    // [E]
+  const float* comp_weights;    // [E]
+  int64_t num_comp;             // E
+  const int64_t* dora_offsets;  // [num_slots], or null: no slot has a DoRA row
 };
 
 // The layer's pool share: key_cache (elements [0, half)), then value_cache ([half, 2 half)).
@@ -54,25 +65,51 @@ struct SgmvRankLimit {
   const char* what;
 };
 
-// A segment that runs its adapter: slot >= 0, rank > 0, at least one row.
+// Every segment's adapters: segment s's terms are [starts[s], starts[s + 1]) of slots and
+// weights: seg_slots[s] (weight 1) if >= 0, then its composition entries in input order.
+// A segment is DoRA when it has exactly one term and that slot has a DoRA row.
+struct SgmvTerms {
+  std::vector<int64_t> starts;  // [S + 1]
+  std::vector<int32_t> slots;
+  std::vector<float> weights;
+  std::vector<bool> dora;  // [S]
+};
+
+// One adapter of an active segment at the layer: rank > 0.
+struct SgmvActiveTerm {
+  int64_t slot;
+  int64_t rank;  // ranks[layer, slot], 1..limit
+  float scale;   // scales[layer, slot] * the term's weight
+  int64_t rows;  // index in `rows` of the slot's rank A row pointers, then its rank B^T ones
+};
+
+// A segment with rows and at least one term of rank > 0 at the layer.
 struct SgmvActiveSegment {
-  int64_t seg;        // index in seg_slots
-  int64_t slot;       // its adapter slot
-  int32_t row_begin;  // seg_starts[seg]: its first row of x and y
-  int32_t row_end;    // seg_starts[seg + 1]: one past its last row
-  int64_t rank;       // ranks[layer, slot], 1..limit
-  float scale;        // scales[layer, slot]
-  int64_t rows;       // index in `rows` of the slot's rank A row pointers, then its rank B^T ones
+  int64_t seg;         // index in seg_slots
+  int32_t row_begin;   // seg_starts[seg]: its first row of x and y
+  int32_t row_end;     // seg_starts[seg + 1]: one past its last row
+  int64_t rank;        // the sum of its active terms' ranks, 1..limit
+  int64_t first_term;  // its active terms: [first_term, first_term + num_terms) of terms
+  int64_t num_terms;   // >= 1
+  const void* dora;    // a DoRA segment's row of out features (pool address), else null
+};
+
+struct SgmvCheckedCall {
+  std::vector<SgmvActiveSegment> segments;  // in segment order
+  std::vector<SgmvActiveTerm> terms;
+  std::vector<const void*> rows;  // per used slot: its A then its B^T row pointers
 };
 
 // Throws unless layer is in [0, num_layers).
 void CheckSgmvLayer(const SgmvMetadata& m);
 
-// Checks seg_starts and every segment (see above) and resolves the rows: appends, once per used
-// slot, its A then B^T row pointers (pool addresses) to `rows`. Returns the active segments in
-// segment order.
-std::vector<SgmvActiveSegment> CheckSgmvSegments(const SgmvMetadata& m, const SgmvPool& pool,
-                                                 const SgmvRankLimit& limit,
-                                                 std::vector<const void*>& rows);
+// Checks seg_starts, seg_slots, the composition entries and the DoRA rule (see above), and
+// lists every segment's terms. Independent of the layer and the pool.
+SgmvTerms ListSgmvTerms(const SgmvMetadata& m);
+
+// Checks every segment with rows at m.layer (ranks, rows) and resolves the rows: once per used
+// slot, its A then B^T row pointers (pool addresses).
+SgmvCheckedCall CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms,
+                                  const SgmvPool& pool, const SgmvRankLimit& limit);
 
 }  // namespace ort_lora

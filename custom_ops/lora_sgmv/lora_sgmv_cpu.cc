@@ -72,12 +72,12 @@ ORT_LORA_INLINE float HSum(V16 a) {
               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Shrink tile: v[i * ldv + j] += scale * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and NR
-// rows of A (elements of type R: float or bfloat16 bits). The segment's scale is applied here,
-// on the small [n, r] result.
+// Shrink tile: v[i * ldv + j] += scales[j] * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and
+// NR rows of A (elements of type R: float or bfloat16 bits). Each A row's scale (its adapter's
+// scale * weight) is applied here, on the small [n, r] result.
 template <typename V, typename R, int MR, int NR>
 ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* a_rows, int64_t k0,
-                                int64_t k1, float scale, float* v, int64_t ldv) {
+                                int64_t k1, const float* scales, float* v, int64_t ldv) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const R* a[NR];
   for (int j = 0; j < NR; ++j) a[j] = static_cast<const R*>(a_rows[j]);
@@ -95,16 +95,18 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* 
     for (int j = 0; j < NR; ++j) {
       float s = HSum(acc[i][j]);
       for (int64_t q = kk; q < k1; ++q) s += x[i * ldx + q] * ToFloat(a[j][q]);
-      v[i * ldv + j] += scale * s;
+      v[i * ldv + j] += scales[j] * s;
     }
   }
 }
 
-// Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + sum_j v[i * ldv + j] * Bt_j[...]. The
-// accumulators start from y, so its loads overlap the multiply-adds.
+// Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + sum_j v[i * ldv + j] * Bt_j[...], then
+// times 1 + D[...] with a DoRA row (dora not null). The accumulators start from y, so its loads
+// overlap the multiply-adds.
 template <typename V, typename R, int MR, int NQ>
 ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* bt, int64_t r,
-                                int64_t c, const float* y, float* y_out, int64_t ldy) {
+                                const R* dora, int64_t c, const float* y, float* y_out,
+                                int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   V acc[MR][NQ];
   for (int i = 0; i < MR; ++i)
@@ -118,6 +120,12 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* 
       for (int q = 0; q < NQ; ++q) acc[i][q] += vij * b[q];
     }
   }
+  if (dora != nullptr) {
+    for (int q = 0; q < NQ; ++q) {
+      const V d = Load<V>(dora + c + q * kLanes);
+      for (int i = 0; i < MR; ++i) acc[i][q] += acc[i][q] * d;
+    }
+  }
   for (int i = 0; i < MR; ++i) {
     for (int q = 0; q < NQ; ++q) Store<V>(y_out + i * ldy + c + q * kLanes, acc[i][q]);
   }
@@ -125,11 +133,12 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* 
 
 // Columns [c, c_end) of one row, fewer than one vector: plain scalar code.
 template <typename R>
-ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t r, int64_t c,
-                                  int64_t c_end, const float* y, float* y_out) {
+ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t r, const R* dora,
+                                  int64_t c, int64_t c_end, const float* y, float* y_out) {
   for (; c < c_end; ++c) {
     float s = y[c];
     for (int64_t j = 0; j < r; ++j) s += v[j] * ToFloat(static_cast<const R*>(bt[j])[c]);
+    if (dora != nullptr) s += s * ToFloat(dora[c]);
     y_out[c] = s;
   }
 }
@@ -138,15 +147,16 @@ ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t
 // of A rows stays in L1 while the x rows stream by.
 template <typename V, typename R, int NR>
 ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const void* const* a,
-                                 int64_t k0, int64_t k1, float scale, float* v, int64_t ldv) {
+                                 int64_t k0, int64_t k1, const float* scales, float* v,
+                                 int64_t ldv) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4)
-    ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
+    ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
   if (t + 2 <= n) {  // 2 rows share each load (and widening) of A
-    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
+    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
     t += 2;
   }
-  if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, k0, k1, scale, v + t * ldv, ldv);
+  if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
 }
 
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
@@ -169,9 +179,10 @@ ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   const SgmvSegment& s = plan.p->segments[seg];
   const int64_t in = plan.p->in_features, out = plan.p->out_features;
   float* a = plan.wide_values + plan.wide_base[seg];  // [r, lda]
-  float* bt = a + s.rank * plan.lda;                  // [r, ldb]
+  float* bt = a + s.rank * plan.lda;                  // [r, ldb], then D [ldb] if DoRA
   for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.a_rows[j], in, a + j * plan.lda);
   for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.bt_rows[j], out, bt + j * plan.ldb);
+  if (s.dora != nullptr) WidenRow<V>(s.dora, out, bt + s.rank * plan.ldb);
 }
 
 template <typename V, typename R>
@@ -188,8 +199,9 @@ ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
     const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
     int64_t j = it.lo;
     for (; j + 4 <= it.hi; j += 4)
-      ShrinkGroup<V, R, 4>(x, n, k, s.a_rows + j, k0, k1, s.scale, v + j, r);
-    for (; j < it.hi; ++j) ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, k0, k1, s.scale, v + j, r);
+      ShrinkGroup<V, R, 4>(x, n, k, s.a_rows + j, k0, k1, s.scales + j, v + j, r);
+    for (; j < it.hi; ++j)
+      ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, k0, k1, s.scales + j, v + j, r);
   }
 }
 
@@ -199,13 +211,14 @@ ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0
                                 const float* y, float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const int64_t r = s.rank;
+  const R* dora = static_cast<const R*>(s.dora);
   int64_t c = c0;
   for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
-    ExpandTile<V, R, MR, 4>(v, r, s.bt_rows, r, c, y, y_out, ldy);
+    ExpandTile<V, R, MR, 4>(v, r, s.bt_rows, r, dora, c, y, y_out, ldy);
   for (; c + kLanes <= c1; c += kLanes)
-    ExpandTile<V, R, MR, 1>(v, r, s.bt_rows, r, c, y, y_out, ldy);
+    ExpandTile<V, R, MR, 1>(v, r, s.bt_rows, r, dora, c, y, y_out, ldy);
   for (int i = 0; i < MR && c < c1; ++i)
-    ExpandScalar<R>(v + i * r, s.bt_rows, r, c, c1, y + i * ldy, y_out + i * ldy);
+    ExpandScalar<R>(v + i * r, s.bt_rows, r, dora, c, c1, y + i * ldy, y_out + i * ldy);
 }
 
 // Bytes of B^T rows kept hot while the rows of y stream by (most of a 48 KiB L1).

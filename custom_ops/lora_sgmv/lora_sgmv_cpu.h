@@ -3,8 +3,11 @@
 // pointers and calls LoraSgmvCpu.
 //
 // Punica-style split in two passes over balanced work items:
-//   shrink  v[t, j]    = x[t] . A_j                        [n, r] per segment
-//   expand  y_out[t]   = y[t] + scale * sum_j v[t, j] Bt_j  (rows of inactive segments: copy)
+//   shrink  v[t, j]    = scale_j * x[t] . A_j              [n, r] per segment
+//   expand  y_out[t]   = y[t] + sum_j v[t, j] Bt_j          (rows of inactive segments: copy)
+//           DoRA:  y_out[t] *= 1 + D                        (D: the segment's DoRA row)
+// A composed segment is one segment whose rows are its adapters' rows back to back, each A row
+// with its own adapter's scale * weight.
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
 // (tests use it to run the narrower kernels). Each clone exists for float32 and bfloat16 rows;
@@ -26,14 +29,15 @@ enum class SgmvRowType {
   kBFloat16,  // const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
 };
 
-// One segment that has an adapter (slot >= 0, rank > 0) and at least one row.
+// One segment that has adapters (rank > 0) and at least one row.
 struct SgmvSegment {
-  int64_t row_begin;  // first row of x / y
-  int64_t row_end;    // one past the last row
-  int64_t rank;       // r, 1..kMaxRank
-  float scale;
+  int64_t row_begin;           // first row of x / y
+  int64_t row_end;             // one past the last row
+  int64_t rank;                // r, 1..kMaxRank: the rows of all its adapters
+  const float* scales;         // [r] scale of each A row: its adapter's scale * weight
   const void* const* a_rows;   // [r] pointers to rows of A, each `in` elements of row_type
   const void* const* bt_rows;  // [r] pointers to rows of B^T, each `out` elements of row_type
+  const void* dora;            // null, or the DoRA row D: `out` elements of row_type
 };
 
 struct SgmvProblem {

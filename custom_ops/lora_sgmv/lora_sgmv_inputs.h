@@ -18,13 +18,48 @@ enum LoraSgmvInput : size_t {
   kAOffsets,
   kBOffsets,
   kRanks,
-  kScales
+  kScales,
+  kCompSegs,  // optional from here on (a node of 10 inputs: no composition, no DoRA)
+  kCompSlots,
+  kCompWeights,
+  kDoraOffsets,
+  kNumLoraSgmvInputs
 };
 
 struct LoraSgmvInputs {
   InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
-      scales;
+      scales, comp_segs, comp_slots, comp_weights, dora_offsets;
 };
+
+// Present inputs of an optional input's index, absent ones an empty view.
+inline InputView GetOptionalInput(const Ort::KernelContext& ctx, size_t index) {
+  if (index >= ctx.GetInputCount()) return InputView{Ort::ConstValue{nullptr}, {}, {}, false};
+  return GetInput(ctx, index);
+}
+
+// The optional inputs: the composition entries (all three or none, each [E]) and dora_offsets
+// ([num_slots], or [0]: no slot has a DoRA row).
+inline void ExpectOptionalInputs(const LoraSgmvInputs& in) {
+  constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  const int present = in.comp_segs.present + in.comp_slots.present + in.comp_weights.present;
+  if (present != 0 && present != 3)
+    Fail("inputs 'comp_segs', 'comp_slots' and 'comp_weights' go together: give all three or none");
+  if (present == 3) {
+    Expect(in.comp_segs, "comp_segs", 1, kInt32);
+    Expect(in.comp_slots, "comp_slots", 1, kInt32);
+    Expect(in.comp_weights, "comp_weights", 1, kFloat);
+    ExpectDim(in.comp_slots, "comp_slots", 0, in.comp_segs.shape[0], "E, as comp_segs");
+    ExpectDim(in.comp_weights, "comp_weights", 0, in.comp_segs.shape[0], "E, as comp_segs");
+  }
+  if (in.dora_offsets.present) {
+    Expect(in.dora_offsets, "dora_offsets", 1, kInt64);
+    if (in.dora_offsets.shape[0] != 0)
+      ExpectDim(in.dora_offsets, "dora_offsets", 0, in.a_offsets.shape[0],
+                "num_slots, as a_offsets, or 0: no DoRA rows");
+  }
+}
 
 // `t` is the element type of y, x and the caches (float32 on CPU, float16/bfloat16 on CUDA).
 inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
@@ -32,10 +67,20 @@ inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
   constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  LoraSgmvInputs in{GetInput(ctx, kY),          GetInput(ctx, kX),         GetInput(ctx, kKeyCache),
-                    GetInput(ctx, kValueCache), GetInput(ctx, kSegStarts), GetInput(ctx, kSegSlots),
-                    GetInput(ctx, kAOffsets),   GetInput(ctx, kBOffsets),  GetInput(ctx, kRanks),
-                    GetInput(ctx, kScales)};
+  LoraSgmvInputs in{GetInput(ctx, kY),
+                    GetInput(ctx, kX),
+                    GetInput(ctx, kKeyCache),
+                    GetInput(ctx, kValueCache),
+                    GetInput(ctx, kSegStarts),
+                    GetInput(ctx, kSegSlots),
+                    GetInput(ctx, kAOffsets),
+                    GetInput(ctx, kBOffsets),
+                    GetInput(ctx, kRanks),
+                    GetInput(ctx, kScales),
+                    GetOptionalInput(ctx, kCompSegs),
+                    GetOptionalInput(ctx, kCompSlots),
+                    GetOptionalInput(ctx, kCompWeights),
+                    GetOptionalInput(ctx, kDoraOffsets)};
   Expect(in.y, "y", 2, t);
   Expect(in.x, "x", 2, t);
   Expect(in.key_cache, "key_cache", 4, t);
@@ -55,7 +100,13 @@ inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
   ExpectDim(in.ranks, "ranks", 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
   ExpectDim(in.scales, "scales", 0, in.ranks.shape[0], "num_layers, as ranks");
   ExpectDim(in.scales, "scales", 1, in.ranks.shape[1], "num_slots, as ranks");
+  ExpectOptionalInputs(in);
   return in;
+}
+
+template <typename T>
+const T* DataOrNull(const InputView& v) {
+  return v.present && v.shape[0] > 0 ? v.value.GetTensorData<T>() : nullptr;
 }
 
 // The LoRA metadata of a call whose shapes ReadLoraSgmvInputs checked, for layer `layer`.
@@ -73,7 +124,12 @@ inline SgmvMetadata ReadSgmvMetadata(const LoraSgmvInputs& in, int64_t layer) {
           layer,
           in.y.shape[0],
           in.x.shape[1],
-          in.y.shape[1]};
+          in.y.shape[1],
+          DataOrNull<int32_t>(in.comp_segs),
+          DataOrNull<int32_t>(in.comp_slots),
+          DataOrNull<float>(in.comp_weights),
+          in.comp_segs.present ? in.comp_segs.shape[0] : 0,
+          DataOrNull<int64_t>(in.dora_offsets)};
 }
 
 // The pool share (key_cache, value_cache) of a call; elem_size is the caches' element size.

@@ -10,12 +10,29 @@ namespace {
 constexpr int64_t kMaxRank = 512;
 constexpr SgmvRankLimit kRankLimit{kMaxRank, "a rank over the limit"};
 
-// The kernel's segments: the active ones of a checked call, pointing into its `rows`.
-void AddSegments(const std::vector<SgmvActiveSegment>& active, const std::vector<const void*>& rows,
-                 SgmvProblem& problem) {
-  for (const SgmvActiveSegment& a : active) {
-    const void* const* base = rows.data() + a.rows;
-    problem.segments.push_back({a.row_begin, a.row_end, a.rank, a.scale, base, base + a.rank});
+// The kernel's segments: the active ones of a checked call. A segment's A and B^T row pointers
+// are its terms' rows back to back (rank = the sum of its terms' ranks), each A row with its
+// term's scale * weight; `rows` and `scales` hold them and must outlive the problem.
+void AddSegments(const SgmvCheckedCall& call, std::vector<const void*>& rows,
+                 std::vector<float>& scales, SgmvProblem& problem) {
+  size_t total = 0;
+  for (const SgmvActiveSegment& a : call.segments) total += a.rank;
+  rows.resize(2 * total), scales.resize(total);
+  size_t at = 0;
+  for (const SgmvActiveSegment& a : call.segments) {
+    const void** a_rows = rows.data() + 2 * at;
+    const void** bt_rows = a_rows + a.rank;
+    float* row_scales = scales.data() + at;
+    for (int64_t i = a.first_term, j = 0; i < a.first_term + a.num_terms; ++i) {
+      const SgmvActiveTerm& t = call.terms[i];
+      const void* const* slot_rows = call.rows.data() + t.rows;
+      for (int64_t k = 0; k < t.rank; ++k, ++j) {
+        a_rows[j] = slot_rows[k], bt_rows[j] = slot_rows[t.rank + k], row_scales[j] = t.scale;
+      }
+    }
+    problem.segments.push_back(
+        {a.row_begin, a.row_end, a.rank, row_scales, a_rows, bt_rows, a.dora});
+    at += a.rank;
   }
 }
 
@@ -43,9 +60,8 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   const SgmvMetadata meta = ReadSgmvMetadata(in, layer_);
   CheckSgmvLayer(meta);
-  std::vector<const void*> rows;  // the used slots' row pointers; problem.segments point here
-  const std::vector<SgmvActiveSegment> active =
-      CheckSgmvSegments(meta, ReadSgmvPool(in, sizeof(float), bf16_rows_), kRankLimit, rows);
+  const SgmvCheckedCall call = CheckSgmvSegments(
+      meta, ListSgmvTerms(meta), ReadSgmvPool(in, sizeof(float), bf16_rows_), kRankLimit);
   SgmvProblem problem{in.x.value.GetTensorData<float>(),
                       in.y.value.GetTensorData<float>(),
                       nullptr,
@@ -54,7 +70,9 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
                       meta.out_features,
                       bf16_rows_ ? SgmvRowType::kBFloat16 : SgmvRowType::kFloat32,
                       {}};
-  AddSegments(active, rows, problem);
+  std::vector<const void*> rows;  // problem.segments point into rows and scales
+  std::vector<float> scales;
+  AddSegments(call, rows, scales, problem);
   problem.y_out = ctx.GetOutput(0, in.y.shape).GetTensorMutableData<float>();
   LoraSgmvCpu(problem, OrtParallelFor(ctx));
 }
@@ -69,9 +87,12 @@ ONNXTensorElementDataType LoraSgmvOp::GetInputType(size_t index) const {
     case kSegStarts:
     case kSegSlots:
     case kRanks:
+    case kCompSegs:
+    case kCompSlots:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     case kAOffsets:
     case kBOffsets:
+    case kDoraOffsets:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     default:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

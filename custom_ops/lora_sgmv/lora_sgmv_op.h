@@ -1,40 +1,55 @@
-// LoraSGMV (domain ort_lora, CPU, float32): the Punica SGMV operator over pool pages.
+// LoraSGMV (domain ort_lora, CPU, float32): the Punica SGMV operator over pool pages, with
+// weighted composition (several adapters over one segment's rows) and DoRA segments.
 //
 // Semantics (the numpy reference is ort_lora/ops/lora_sgmv_ref.py::lora_sgmv):
-//   y_out = y; for each segment s with slot = seg_slots[s] >= 0 and r = ranks[layer, slot] > 0:
-//     rows t in [seg_starts[s], seg_starts[s+1]):
-//       v[t, j]  = sum_k x[t, k] * A_j[k]              j < r  (shrink)
-//       y_out[t] += scales[layer, slot] * sum_j v[t, j] * Bt_j   (expand)
+//   terms(s) = (seg_slots[s], 1) if seg_slots[s] >= 0, then (comp_slots[e], comp_weights[e])
+//              for each composition entry e with comp_segs[e] = s, in order e
+//   y_out = y; for each segment s, rows t in [seg_starts[s], seg_starts[s+1]):
+//     for each term (slot, w) of s with r = ranks[layer, slot] > 0:
+//       v[t, j]  = w * scales[layer, slot] * sum_k x[t, k] * A_j[k]    j < r  (shrink)
+//       y_out[t] += sum_j v[t, j] * Bt_j                                      (expand)
+//     DoRA: if s has ONE term, whose slot has dora_offsets[slot] >= 0, and r > 0:
+//       y_out[t] *= 1 + D,  D = region[dora_offsets[slot] : + out]  (per output channel)
 //   where A_j  = region[a_offsets[slot, j] : + in]   (row j of A, r x in)
 //         Bt_j = region[b_offsets[slot, j] : + out]  (row j of B^T, r x out)
 //   and region is this layer's pool share seen as one flat array: key_cache's elements
 //   followed by value_cache's (offset o < numel(key_cache) reads key_cache, else value_cache).
+//   D is DoRA's m / ||W + s B A||_row - 1 (stored minus one: its rounding to the row type then
+//   errs on the small correction, not on the whole scale); y is W x without bias, so
+//   y_out + bias is PEFT's DoRA output. A DoRA slot in a segment of two or more terms is an
+//   error: DoRA adapters cannot be composed.
 //
 // Inputs                                           Output
-//   0 y           float [T, out]                      0 y_out float [T, out]
-//   1 x           float [T, in]
-//   2 key_cache   float [num_pages, block_size, kv_heads, head_dim]
-//   3 value_cache float [num_pages, block_size, kv_heads, head_dim]
-//   4 seg_starts  int32 [S + 1]   0 = s_0 <= s_1 <= ... <= s_S = T
-//   5 seg_slots   int32 [S]       adapter slot of each segment, -1 = base only
-//   6 a_offsets   int64 [num_slots, max_rank]
-//   7 b_offsets   int64 [num_slots, max_rank]
-//   8 ranks       int32 [num_layers, num_slots]   0 <= rank <= max_rank
-//   9 scales      float [num_layers, num_slots]
+//   0 y            float [T, out]                     0 y_out float [T, out]
+//   1 x            float [T, in]
+//   2 key_cache    float [num_pages, block_size, kv_heads, head_dim]
+//   3 value_cache  float [num_pages, block_size, kv_heads, head_dim]
+//   4 seg_starts   int32 [S + 1]   0 = s_0 <= s_1 <= ... <= s_S = T
+//   5 seg_slots    int32 [S]       adapter slot of each segment (weight 1), -1 = none
+//   6 a_offsets    int64 [num_slots, max_rank]
+//   7 b_offsets    int64 [num_slots, max_rank]
+//   8 ranks        int32 [num_layers, num_slots]   0 <= rank <= max_rank
+//   9 scales       float [num_layers, num_slots]
+//  10 comp_segs    int32 [E]   optional: the segment of each composition entry, in [0, S)
+//  11 comp_slots   int32 [E]   optional: its adapter slot, in [0, num_slots)
+//  12 comp_weights float [E]   optional: its weight, finite
+//  13 dora_offsets int64 [num_slots] or [0]   optional: pool element of the slot's DoRA row
+//                                             D [out], -1 = none; [0] or absent: no DoRA
 // Attributes:
 //   layer (int) selects the row of ranks and scales.
 //   adapter_dtype (int, optional; an ONNX TensorProto element type) is the type of the rows:
-//     absent or 1 (FLOAT): A_j and Bt_j are float32 pool elements, as above.
+//     absent or 1 (FLOAT): A_j, Bt_j and D are float32 pool elements, as above.
 //     16 (BFLOAT16): rows are bfloat16 packed two per float32 pool element. The row at pool
 //       element o is the region seen as uint16 (little-endian: an element's first bfloat16 is
 //       its low 16 bits), bfloat16 elements [2 o, 2 o + len), widened exactly (bits << 16);
 //       it spans ceil(len / 2) pool elements, all inside key_cache or inside value_cache (an
 //       odd len leaves one padding bfloat16, never read). Accumulation stays float32.
 //     Any other value fails at kernel creation, naming the attribute and the allowed values.
-// Limits: rank <= 512 (kMaxRank). Bad inputs (shapes, non-monotonic seg_starts, slot or rank
-// out of range, a used row outside key_cache / value_cache) fail with an error naming them
-// (the checks, shared with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never
-// read. The kernel is lora_sgmv_cpu.h.
+// Limits: rank <= 512 (kMaxRank), also for the sum of a segment's terms. Bad inputs (shapes,
+// non-monotonic seg_starts, slot or rank out of range, a used row outside key_cache / value_cache,
+// a weight not finite, a composed DoRA slot) fail with an error naming them (the checks, shared
+// with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never read. The kernel is
+// lora_sgmv_cpu.h.
 #pragma once
 
 #include "common/ort_common.h"
@@ -55,8 +70,11 @@ struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 10; }
+  size_t GetInputTypeCount() const { return 14; }
   ONNXTensorElementDataType GetInputType(size_t index) const;
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

@@ -44,7 +44,7 @@ void PlanWiden(SgmvCpuPlan& plan) {
   int64_t rows = 0;
   for (size_t i = 0; i < p.segments.size(); ++i) {
     const SgmvSegment& s = p.segments[i];
-    const int64_t values = s.rank * (plan.lda + plan.ldb);
+    const int64_t values = s.rank * (plan.lda + plan.ldb) + (s.dora != nullptr) * plan.ldb;
     if (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues)
       continue;
     plan.wide_base[i] = plan.widen_cost;
@@ -60,11 +60,12 @@ void PlanWiden(SgmvCpuPlan& plan) {
   for (int64_t i : plan.widen) {
     SgmvSegment& s = plan.segs[i];
     const float* a = plan.wide_values + plan.wide_base[i];  // [r, lda]
-    const float* bt = a + s.rank * plan.lda;                // [r, ldb]
+    const float* bt = a + s.rank * plan.lda;                // [r, ldb], then D [ldb]
     for (int64_t j = 0; j < s.rank; ++j) next[j] = a + j * plan.lda;
     for (int64_t j = 0; j < s.rank; ++j) next[s.rank + j] = bt + j * plan.ldb;
     s.a_rows = next;
     s.bt_rows = next + s.rank;
+    if (s.dora != nullptr) s.dora = bt + s.rank * plan.ldb;
     next += 2 * s.rank;
   }
 }

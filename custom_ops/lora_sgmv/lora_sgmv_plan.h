@@ -3,7 +3,8 @@
 // thread pool many similar items. No ONNX Runtime types; used by lora_sgmv_cpu.cc only.
 //
 // Passes, in order: widen (bfloat16 rows of long segments -> float32 scratch, one item per
-// segment), shrink (v = scale * x A^T), expand (y_out = y + v B^T, and copies of base rows).
+// segment), shrink (v = scales * x A^T), expand (y_out = (y + v B^T) (1 + D), and copies of base
+// rows).
 #pragma once
 
 #include <cstdint>
@@ -31,7 +32,8 @@ struct SgmvCpuPlan {
   std::vector<int64_t> wide_base;  // per segment: offset of its widened rows, -1 = not widened
   std::vector<int64_t> widen;      // the segments to widen (items of the widen pass)
   std::unique_ptr<float[]> wide_storage;  // holds wide_values
-  float* wide_values = nullptr;  // 64-byte aligned; per widened segment A [r, lda], B^T [r, ldb]
+  float* wide_values = nullptr;  // 64-byte aligned; per widened segment A [r, lda], B^T [r, ldb],
+                                 // D [ldb] (DoRA)
   int64_t lda = 0, ldb = 0;      // widened row strides: in, out rounded up to 16 (cache lines)
   std::vector<const void*> wide_rows;  // per widened segment: r A, then r B^T row pointers
   std::vector<SgmvCpuItem> shrink;

@@ -64,45 +64,91 @@ def lora_sgmv(
     scales: np.ndarray,  # float [num_layers, num_slots]
     layer: int,
     adapter_dtype: str = "float32",
+    *,
+    comp_segs: np.ndarray | None = None,  # int32 [E]
+    comp_slots: np.ndarray | None = None,  # int32 [E]
+    comp_weights: np.ndarray | None = None,  # float [E]
+    dora_offsets: np.ndarray | None = None,  # int64 [num_slots] or [0]
 ) -> np.ndarray:
-    """y_out float32 [T, out]: y plus every segment's LoRA delta, computed in float64.
+    """y_out float32 [T, out]: y plus every segment's weighted LoRA deltas, then the DoRA scale
+    of a DoRA segment's rows; computed in float64.
 
     Semantics:
       region = key_cache.ravel() ++ value_cache.ravel()   (this layer's pool share, flat)
-      y_out = y
-      for each segment s with slot = seg_slots[s] >= 0 and r = ranks[layer, slot] > 0:
-        A  = [region[a_offsets[slot, j] : + in ] for j < r]      # [r, in]   rows of A
-        Bt = [region[b_offsets[slot, j] : + out] for j < r]      # [r, out]  rows of B^T
-        rows t in [seg_starts[s], seg_starts[s + 1]):
-          y_out[t] += scales[layer, slot] * (x[t] @ A^T) @ Bt
+      terms(s) = [(seg_slots[s], 1.0)] if seg_slots[s] >= 0, then
+                 [(comp_slots[e], comp_weights[e]) for e with comp_segs[e] == s]  (in order e)
+      for each segment s, rows t in [seg_starts[s], seg_starts[s + 1]):
+        delta[t] = sum over (slot, w) in terms(s) with r = ranks[layer, slot] > 0:
+          A  = [region[a_offsets[slot, j] : + in ] for j < r]      # [r, in]   rows of A
+          Bt = [region[b_offsets[slot, j] : + out] for j < r]      # [r, out]  rows of B^T
+          w * scales[layer, slot] * (x[t] @ A^T) @ Bt
+        no term with r > 0:        y_out[t] = y[t]
+        DoRA: terms(s) is ONE (slot, w) with dora_offsets[slot] >= 0:
+          D = region[dora_offsets[slot] : + out]                 # [out]  m / ||W + sBA|| - 1
+          y_out[t] = (y[t] + delta[t]) * (1 + D)
+        else:                      y_out[t] = y[t] + delta[t]
+      A DoRA slot among two or more terms of a segment is an error (DoRA's magnitude belongs to
+      one adapter; a composition of DoRA adapters has no definition to follow). dora_offsets
+      of shape [0], or None, means no slot is DoRA; comp_* None means E = 0.
+      y is the base projection W x WITHOUT its bias (the graph adds a bias after the op), so
+      with DoRA y_out + bias is PEFT's m / ||W + s B A||_row * (W x + s B A x) + bias.
       A row lies entirely inside key_cache or entirely inside value_cache.
-      Offsets of rows j >= r are never read (they may hold anything, e.g. -1).
-    adapter_dtype="bfloat16" (attribute adapter_dtype = 16): a row at pool element o holds
-      bfloat16 values: region viewed as uint16 (little-endian), elements [2 o, 2 o + len),
-      widened exactly (bits << 16); it spans ceil(len / 2) pool elements, which must lie
-      inside key_cache or value_cache.
+      Offsets of rows j >= r, and dora_offsets of slots no DoRA segment uses, are never read.
+    adapter_dtype="bfloat16" (attribute adapter_dtype = 16): a row (A, B^T or D) at pool
+      element o holds bfloat16 values: region viewed as uint16 (little-endian), elements
+      [2 o, 2 o + len), widened exactly (bits << 16); it spans ceil(len / 2) pool elements,
+      which must lie inside key_cache or value_cache.
     """
     _check_adapter_dtype(adapter_dtype)
     num_key = key_cache.size
     region = np.concatenate([key_cache.ravel(), value_cache.ravel()]).astype(np.float32)
     in_f, out_f = x.shape[1], y.shape[1]
+    terms = segment_terms(seg_slots, comp_segs, comp_slots, comp_weights)
+    dora = np.full(len(a_offsets), -1, np.int64) if dora_offsets is None else dora_offsets
+    dora = dora if len(dora) else np.full(len(a_offsets), -1, np.int64)
     y_out = y.astype(np.float64)  # [T, out]
-    for s, slot in enumerate(seg_slots):
-        rank = int(ranks[layer, slot]) if slot >= 0 else 0
-        if rank == 0:
-            continue
+
+    def row(offsets, features: int, what: str) -> np.ndarray:  # float64 [len(offsets), features]
+        return np.stack(
+            [_pool_row(region, num_key, int(o), features, what, adapter_dtype) for o in offsets]
+        )
+
+    for s, seg_terms in enumerate(terms):
         t0, t1 = int(seg_starts[s]), int(seg_starts[s + 1])
-        a_rows = [
-            _pool_row(region, num_key, int(a_offsets[slot, j]), in_f, "a_offset", adapter_dtype)
-            for j in range(rank)
-        ]
-        bt_rows = [
-            _pool_row(region, num_key, int(b_offsets[slot, j]), out_f, "b_offset", adapter_dtype)
-            for j in range(rank)
-        ]
-        shrunk = x[t0:t1].astype(np.float64) @ np.stack(a_rows).T  # [n, r]
-        y_out[t0:t1] += float(scales[layer, slot]) * (shrunk @ np.stack(bt_rows))  # [n, out]
+        dora_slots = [slot for slot, _ in seg_terms if dora[slot] >= 0]
+        if dora_slots and len(seg_terms) > 1:
+            raise ValueError(
+                f"segment {s} composes {len(seg_terms)} adapters and slot {dora_slots[0]} is "
+                f"DoRA (dora_offsets[{dora_slots[0]}] = {dora[dora_slots[0]]}): DoRA adapters "
+                "cannot be composed"
+            )
+        active = [(slot, w) for slot, w in seg_terms if ranks[layer, slot] > 0]
+        if not active or t0 == t1:
+            continue
+        for slot, w in active:
+            rank = int(ranks[layer, slot])
+            a = row(a_offsets[slot, :rank], in_f, "a_offset")  # [r, in]
+            bt = row(b_offsets[slot, :rank], out_f, "b_offset")  # [r, out]
+            shrunk = x[t0:t1].astype(np.float64) @ a.T  # [n, r]
+            y_out[t0:t1] += float(w) * float(scales[layer, slot]) * (shrunk @ bt)  # [n, out]
+        if dora_slots:
+            y_out[t0:t1] *= 1.0 + row([dora[dora_slots[0]]], out_f, "dora_offset")  # [n, out]
     return y_out.astype(np.float32)
+
+
+def segment_terms(seg_slots, comp_segs=None, comp_slots=None, comp_weights=None) -> list:
+    """[(slot, weight), ...] per segment: seg_slots[s] (weight 1) if >= 0, then the
+    composition entries of segment s in order (see lora_sgmv's Semantics)."""
+    terms = [[(int(slot), 1.0)] if slot >= 0 else [] for slot in seg_slots]
+    if comp_segs is None:
+        return terms
+    for seg, slot, w in zip(comp_segs, comp_slots, comp_weights, strict=True):
+        if not 0 <= seg < len(terms):
+            raise ValueError(f"comp_segs entry {seg} must be in [0, {len(terms)})")
+        if not np.isfinite(w):
+            raise ValueError(f"comp_weights entry {w} is not finite")
+        terms[int(seg)].append((int(slot), float(w)))
+    return terms
 
 
 def _aligned_full(n: int, value: float, align: int = 64) -> np.ndarray:
@@ -133,6 +179,7 @@ class PlacedAdapters:
     value_cache: np.ndarray  # float32 [num_pages, block_size, kv_heads, head_dim]
     a_offsets: np.ndarray  # int64 [num_slots, max_rank], -1 past each slot's rank
     b_offsets: np.ndarray  # int64 [num_slots, max_rank], -1 past each slot's rank
+    dora_offsets: np.ndarray  # int64 [num_slots], -1 for slots without a DoRA row
 
 
 def place_random_adapters(
@@ -143,15 +190,18 @@ def place_random_adapters(
     page_shape: tuple[int, int, int] = (16, 2, 16),
     max_gap: int = 3,
     adapter_dtype: str = "float32",
+    dora_slots: list[int] = (),
 ) -> PlacedAdapters:
-    """Places slot s's A [slot_ranks[s], in] and B^T [slot_ranks[s], out] rows in a fresh pool.
+    """Places slot s's A [slot_ranks[s], in] and B^T [slot_ranks[s], out] rows in a fresh pool,
+    and for each slot in dora_slots one DoRA row D [out] (the op's m / ||W + sBA|| - 1).
 
     Rows go in shuffled order, each after a random gap of 0..max_gap elements (so rows start
     unaligned), filling key_cache and then value_cache; no row crosses from K into V. The rows
-    hold random normal values scaled so that outputs are O(1); every other pool element is NaN,
-    so a kernel that reads outside the rows it was given produces NaN. The pool starts on a
-    64-byte boundary (numpy alone gives 16), so max_gap=0 with row lengths that are multiples
-    of 16 gives cache-line-aligned rows.
+    hold random normal values scaled so that outputs are O(1) (DoRA rows: uniform in
+    [-0.5, 0.5], scales 0.5..1.5); every other pool element is NaN, so a kernel that reads
+    outside the rows it was given produces NaN. The pool starts on a 64-byte boundary (numpy
+    alone gives 16), so max_gap=0 with row lengths that are multiples of 16 gives
+    cache-line-aligned rows.
     page_shape is (block_size, kv_heads, head_dim).
     adapter_dtype="bfloat16": rows hold the values rounded to bfloat16 (nearest even), packed
     two per pool element; offsets and gaps count pool elements, a row of odd length ends with
@@ -161,8 +211,9 @@ def place_random_adapters(
     if min(slot_ranks, default=0) < 0:
         raise ValueError(f"slot_ranks must be >= 0, got {slot_ranks}")
     rows = [(s, j, kind) for s, r in enumerate(slot_ranks) for j in range(r) for kind in "ab"]
+    rows += [(s, 0, "d") for s in dora_slots]
     rows = [rows[i] for i in rng.permutation(len(rows))]
-    features = {"a": in_features, "b": out_features}
+    features = {"a": in_features, "b": out_features, "d": out_features}
     length = {kind: _row_elems(n, adapter_dtype) for kind, n in features.items()}
     page_elems = int(np.prod(page_shape))
     needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
@@ -172,18 +223,26 @@ def place_random_adapters(
     region = _aligned_full(2 * half, nan)  # 64-byte aligned, as ORT allocates tensors
     max_rank = max(slot_ranks, default=0)
     offsets = {kind: np.full((len(slot_ranks), max_rank), -1, np.int64) for kind in "ab"}
+    offsets["d"] = np.full((len(slot_ranks), 1), -1, np.int64)
     cursor = 0
     for s, j, kind in rows:
         cursor += int(rng.integers(0, max_gap + 1))
         if cursor < half < cursor + length[kind]:
             cursor = half  # the row would straddle K/V: start it at value_cache
-        fan_in = in_features if kind == "a" else slot_ranks[s]
-        values = rng.standard_normal(features[kind]) / np.sqrt(fan_in)
+        if kind == "d":
+            values = rng.uniform(-0.5, 0.5, out_features)
+        else:
+            fan_in = in_features if kind == "a" else slot_ranks[s]
+            values = rng.standard_normal(features[kind]) / np.sqrt(fan_in)
         _write_row(region[cursor : cursor + length[kind]], values, adapter_dtype)
         offsets[kind][s, j] = cursor
         cursor += length[kind]
     assert cursor <= region.size, "pool sized too small"
     shape = (num_pages, *page_shape)
     return PlacedAdapters(
-        region[:half].reshape(shape), region[half:].reshape(shape), offsets["a"], offsets["b"]
+        region[:half].reshape(shape),
+        region[half:].reshape(shape),
+        offsets["a"],
+        offsets["b"],
+        offsets["d"][:, 0],
     )

@@ -23,7 +23,8 @@ def sgmv_c_args(dtype: str, x: int, y: int, y_out: int, key: int, value: int, ha
                 stream: int) -> tuple[list, dict]:  # fmt: skip
     """The arguments ORT_LORA_SGMV_C_PARAMS (sgmv_plan.h) declares, shared by
     ort_lora_cuda_sgmv and the emulator's ort_lora_emu_sgmv; and the contiguous metadata
-    arrays they point into (keep them alive for the call)."""
+    arrays they point into (keep them alive for the call). meta may hold the optional
+    comp_segs / comp_slots / comp_weights (all or none) and dora_offsets."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
     m = {
@@ -33,15 +34,25 @@ def sgmv_c_args(dtype: str, x: int, y: int, y_out: int, key: int, value: int, ha
         "b_offsets": np.ascontiguousarray(meta["b_offsets"], np.int64),  # [slots, max_rank]
         "ranks": np.ascontiguousarray(meta["ranks"], np.int32),  # [L, slots]
         "scales": np.ascontiguousarray(meta["scales"], np.float32),  # [L, slots]
+        "comp_segs": np.ascontiguousarray(meta.get("comp_segs", ()), np.int32),  # [E]
+        "comp_slots": np.ascontiguousarray(meta.get("comp_slots", ()), np.int32),  # [E]
+        "comp_weights": np.ascontiguousarray(meta.get("comp_weights", ()), np.float32),  # [E]
+        "dora_offsets": np.ascontiguousarray(meta.get("dora_offsets", ()), np.int64),  # [slots]
     }
+    if not len(m["comp_segs"]) == len(m["comp_slots"]) == len(m["comp_weights"]):
+        raise ValueError("comp_segs, comp_slots and comp_weights must have one length (E)")
+    if len(m["dora_offsets"]) not in (0, len(m["a_offsets"])):
+        raise ValueError("dora_offsets must have num_slots entries, or none (no DoRA rows)")
     v, i64 = ctypes.c_void_p, ctypes.c_int64
-    ptr = {k: a.ctypes.data_as(ctypes.c_void_p) for k, a in m.items()}
+    # empty optional arrays are null pointers (dora_offsets: no DoRA rows)
+    ptr = {k: a.ctypes.data_as(ctypes.c_void_p) if a.size else v() for k, a in m.items()}
     args = [
         ctypes.c_int(DTYPES[dtype]), v(x), v(y), v(y_out), v(key), v(value), i64(half),
         ptr["seg_starts"], ptr["seg_slots"], i64(len(m["seg_slots"])), ptr["a_offsets"],
         ptr["b_offsets"], i64(m["a_offsets"].shape[0]), i64(m["a_offsets"].shape[1]),
         ptr["ranks"], ptr["scales"], i64(m["ranks"].shape[0]), i64(layer), i64(num_rows),
-        i64(in_features), i64(out_features), v(stream),
+        i64(in_features), i64(out_features), ptr["comp_segs"], ptr["comp_slots"],
+        ptr["comp_weights"], i64(len(m["comp_segs"])), ptr["dora_offsets"], v(stream),
     ]  # fmt: skip
     return args, m
 
