@@ -94,8 +94,14 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}  ",
-        f"Machine: {meta['cpu']} ({meta['machine']}), "
+        f"Machine: {meta['cpu']} ({meta.get('isa', '?')}; {meta['machine']}), "
         f"{meta['threads']} intra-op threads per runtime  ",
+        "Versions: "
+        + ", ".join(
+            f"{k} {v}"
+            for k, v in {"onnxruntime": meta.get("onnxruntime"), **meta.get("peers", {})}.items()
+        )
+        + "  ",
         f"Load average (1/5/15 min) at start / end: {_load(meta, 'start')} / {_load(meta, 'end')}",
         "",
     ]

