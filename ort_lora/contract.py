@@ -48,6 +48,27 @@ pool: then rows are bfloat16, two per pool element (the first in its low 16 bits
 values occupies ceil(n / 2) pool elements from its offset, and every LoraSGMV node carries the
 attribute adapter_dtype = 16 (TensorProto.BFLOAT16). Offsets still count pool elements.
 
+Quantized base weights (manifest.quantization, --weights int4|int8; CPU, float32 activations
+and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks of
+quantization.block_size input values (quantization.bits per value, accuracy_level as
+recorded: 4 = the op quantizes its float input to int8 per block), the embedding Gather is
+GatherBlockQuantized and the LM head MatMulNBits, both at embedding_and_head_bits (8). The
+graph's inputs and outputs, the pool and LoraSGMV are unchanged: LoraSGMV reads the float input
+x and adds its float32 delta to the quantized projection's output. The entry records:
+  weights, bits, block_size, accuracy_level, op     what the graph runs
+  linear                  how round-to-nearest quantizes linear weights (int4: asymmetric
+                          with zero points; int8: symmetric)
+  embedding_and_head_bits 8 (symmetric)
+  gguf_q4_1               how GGUF Q4_1 blocks map: "offset" (exact: the block's float
+                          minimum as a per-block offset, blocksum(x) @ offsets^T added) or
+                          "zero_point" (the op's integer zero point, the minimum rounded)
+  tensors_by_method       method -> tensor count: "gguf Q4_0", "gguf Q4_1 (offset)",
+                          "gguf Q4_1 (zero point)", "gguf Q8_0" (GGUF blocks carried over),
+                          "rtn" (round-to-nearest from float), "rtn from gguf <type>"
+  max_abs_diff_vs_checkpoint  method -> largest |dequantized export - checkpoint tensor| over
+                          its tensors (the checkpoint tensor: what transformers reads; 0 up
+                          to float32 rounding for the exact mappings)
+
 Fused checkpoint modules (manifest.fused_modules, e.g. Phi-3's qkv_proj -> q_proj, k_proj,
 v_proj): the graph has the separate target modules, whose weights are row slices of the fused
 one, in the listed order. A PEFT adapter on the fused module (A [r, in], B [sum of outs, r])
@@ -125,6 +146,8 @@ class ModelManifest:
     adapter_dtype: str | None = None  # None: the pool's dtype; "bfloat16" rows in a float32 pool
     # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
     fused_modules: dict[str, list[str]] = field(default_factory=dict)
+    # {} for float weights; quantized exports (--weights int4|int8), see the module docstring
+    quantization: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.adapter_dtype not in (None, "bfloat16") or (
@@ -133,6 +156,14 @@ class ModelManifest:
             raise ValueError(
                 f"adapter_dtype {self.adapter_dtype!r} with dtype {self.dtype}: expected None "
                 "(adapter rows in the pool's dtype) or 'bfloat16' with a float32 pool"
+            )
+        if self.quantization and (
+            self.quantization.get("weights") not in ("int4", "int8")
+            or (self.device, self.dtype) != ("cpu", "float32")
+        ):
+            raise ValueError(
+                f"quantization {self.quantization.get('weights')!r} on {self.device} / "
+                f"{self.dtype}: expected int4 or int8 weights with float32 on cpu"
             )
         unknown = set(self.lora_targets) - set(LORA_MODULES)
         unknown |= {p for parts in self.fused_modules.values() for p in parts} - set(LORA_MODULES)
@@ -150,6 +181,11 @@ class ModelManifest:
     def adapter_row_pack(self) -> int:
         """Adapter values per pool element: 2 for bfloat16 rows in a float32 pool, else 1."""
         return 2 if self.adapter_dtype == "bfloat16" else 1
+
+    @property
+    def weights(self) -> str:
+        """How the base weights are stored: "int4" / "int8" (MatMulNBits) or the dtype."""
+        return self.quantization.get("weights", self.dtype)
 
     @property
     def page_elems(self) -> int:

@@ -50,6 +50,7 @@ def make_manifest(cfg: ArchConfig, source: CheckpointSource, options: dict) -> M
         extra=dict(options.get("extra") or {}),
         adapter_dtype=options.get("adapter_dtype"),
         fused_modules=cfg.fused_modules,
+        quantization=dict(options.get("quantization") or {}),
     )
 
 

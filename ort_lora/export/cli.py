@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from ort_lora.contract import LORA_MODULES
+from ort_lora.contract import LORA_MODULES, MANIFEST_NAME
 from ort_lora.export.errors import ExportError
 
 VERIFY_EXTRAS = {"verify_tol": float, "verify_steps": int, "verify_prompts": int}
@@ -30,6 +31,21 @@ def parser() -> argparse.ArgumentParser:
         "--dtype",
         default=None,
         help="float32 (cpu, default) or float16/bfloat16 (cuda, default float16)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=("int4", "int8", "float32", "float16", "bfloat16"),
+        help="base weights: the graph's dtype (default), or int4 / int8 (cpu) as ONNX "
+        "Runtime MatMulNBits blocks, LoRA adapters still float32 (GGUF Q4_0 / Q4_1 / Q8_0 "
+        "blocks carried over, other weights quantized round-to-nearest)",
+    )
+    p.add_argument(
+        "--block-size-q",
+        type=int,
+        default=32,
+        help="values per quantization block with --weights int4/int8 (a power of two >= 16 "
+        "that divides every layer's input size; default 32, GGUF's block)",
     )
     p.add_argument(
         "--adapter-dtype",
@@ -58,8 +74,9 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="rare options: max_position_embeddings=N, verify_tol=X, "
-        "verify_steps=N, verify_prompts=N",
+        help="rare options: max_position_embeddings=N, verify_tol=X, verify_steps=N, "
+        "verify_prompts=N; with --weights int4/int8: accuracy_level=0|1|4 (MatMulNBits, "
+        "default 4: int8 activations), gguf_q4_1=offset|zero_point",
     )
     return p
 
@@ -85,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     from ort_lora.export.exporter import export_model
 
     extra, verify_opts = parse_extra(args.extra)
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
+    floats = ("float32", "float16", "bfloat16")
+    dtype = args.dtype or (args.weights if args.weights in floats else None)
+    dtype = dtype or ("float32" if args.device == "cpu" else "float16")
     out = export_model(
         args.model,
         args.outdir,
@@ -94,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         device=args.device,
         adapter_dtype=args.adapter_dtype,
+        weights=args.weights,
+        quant_block_size=args.block_size_q,
         force=args.force,
         progress=not args.quiet,
         extra=extra,
@@ -104,17 +125,24 @@ def run(args: argparse.Namespace) -> int:
     from ort_lora.export.verify import verify_export
 
     tol = verify_opts.get("verify_tol", DEFAULT_VERIFY_TOL)
-    diff = verify_export(
-        args.model,
-        out,
-        num_prompts=verify_opts.get("verify_prompts", 3),
-        steps=verify_opts.get("verify_steps", 8),
+    size = dict(
+        num_prompts=verify_opts.get("verify_prompts", 3), steps=verify_opts.get("verify_steps", 8)
     )
+    quant = json.loads((out / MANIFEST_NAME).read_text()).get("quantization") or {}
+    checked = "" if not quant else " on its dequantized weights, accuracy_level 0"
+    diff = verify_export(args.model, out, accuracy_level=0 if quant else None, **size)
     ok = diff <= tol
     print(
-        f"verify: max |logits - transformers| = {diff:.3g} (tolerance {tol:g}): "
+        f"verify: max |logits - transformers{checked}| = {diff:.3g} (tolerance {tol:g}): "
         f"{'OK' if ok else 'FAILED'}"
     )
+    if quant and quant["accuracy_level"] != 0:
+        served = verify_export(args.model, out, **size)
+        print(
+            f"verify: as served (accuracy_level {quant['accuracy_level']}: int8 inputs) "
+            f"max |logits - transformers on its dequantized weights| = {served:.3g} "
+            "(the inputs' int8 rounding; not checked)"
+        )
     return 0 if ok else 1
 
 

@@ -9,6 +9,10 @@
         ─ lm_head Gemm(transB) [─ Div(logits_scaling)] [─ Div ─ Tanh ─ Mul (soft-capping)]
         ─ logits
 
+Quantized exports (`quant`, quantizer.py) replace each MatMul, the embedding Gather and the
+LM head Gemm with com.microsoft MatMulNBits / GatherBlockQuantized (quant_graph.py); the LoRA
+ops still read the float input x and add their float32 delta to the quantized projection.
+
 Numbers come from ArchConfig: a bracketed node exists only when the config asks for it
 (embedding / residual multipliers, logits scaling, final soft-capping), and PagedAttention's
 scale, softcap and local_window_size attributes carry the attention ones, so a model that
@@ -26,6 +30,9 @@ from ort_lora.export.arch import ArchConfig
 from ort_lora.export.errors import ExportError
 from ort_lora.export.graph import GraphBuilder, to_numpy
 from ort_lora.export.loader import CheckpointSource
+from ort_lora.export.quant import BlockQuantized
+from ort_lora.export.quant_graph import QuantGraph
+from ort_lora.export.quantizer import QuantConfig, Quantizer
 from ort_lora.export.rope import cos_sin_cache
 
 MSFT = "com.microsoft"
@@ -45,6 +52,7 @@ class DecoderBuilder:
         lora_targets: list[str],
         block_size: int,
         adapter_dtype: str | None = None,
+        quant: QuantConfig | None = None,
         progress=None,
     ):
         self.cfg, self.src, self.g = cfg, source, graph
@@ -54,6 +62,8 @@ class DecoderBuilder:
         self.lora_attrs = {}
         if adapter_dtype is not None:
             self.lora_attrs["adapter_dtype"] = C.ADAPTER_DTYPE_ATTR[adapter_dtype]
+        self.quantizer = None if quant is None else Quantizer(quant, source, self.read)
+        self.qgraph = None if quant is None else QuantGraph(graph, quant.accuracy_level)
 
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> str:
@@ -119,8 +129,12 @@ class DecoderBuilder:
         sizes = self.cfg.module_sizes()[module]
         hf = f"model.layers.{layer}.{prefix}.{module}"
         name = f"/model/layers.{layer}/{prefix}/{module}"
-        w = self.projection_weight(layer, prefix, module)  # [in, out]
-        (y,) = self.g.node("MatMul", [x, w], f"{name}/MatMul")  # [T, out]
+        if self.quantizer is None:
+            w = self.projection_weight(layer, prefix, module)  # [in, out]
+            (y,) = self.g.node("MatMul", [x, w], f"{name}/MatMul")  # [T, out]
+        else:
+            q = self.projection_quantized(layer, prefix, module)  # [out, in] blocks
+            y = self.qgraph.matmul(x, q, f"{hf}.weight", name)  # [T, out]
         if self.src.has(f"{hf}.bias"):
             b = self.weight(f"{hf}.bias", (sizes["out"],))
             (y,) = self.g.node("Add", [y, b], f"{name}/Add")
@@ -194,6 +208,12 @@ class DecoderBuilder:
         sizes = self.cfg.module_sizes()[module]
         name = f"model.layers.{layer}.{prefix}.{module}.weight"
         return self.weight(name, (sizes["out"], sizes["in"]), transpose=True)
+
+    def projection_quantized(self, layer: int, prefix: str, module: str) -> BlockQuantized:
+        """A linear module's weight [out, in] as blocks (quantized exports)."""
+        sizes = self.cfg.module_sizes()[module]
+        name = f"model.layers.{layer}.{prefix}.{module}.weight"
+        return self.quantizer.linear(name, (sizes["out"], sizes["in"]))
 
     def norm_weight(self, name: str, size: int) -> str:
         """The initializer [size] an RMSNorm multiplies by."""
@@ -326,11 +346,14 @@ class DecoderBuilder:
         ]  # [N, hidden]
         h, _ = self.skip_rms_norm(rows_x, rows_r, "model.norm.weight", "/model/norm")
         shape = (cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings or not self.src.has("lm_head.weight"):
-            head = "model.embed_tokens.weight"  # the embedding initializer, reused
-        else:
-            head = self.weight("lm_head.weight", shape)
-        (logits,) = g.node("Gemm", [h, head], "/lm_head/Gemm", transB=1)  # [N, vocab]
+        tied = cfg.tie_word_embeddings or not self.src.has("lm_head.weight")
+        if self.quantizer is not None:
+            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            q = self.quantizer.embedding(head, shape)
+            logits = self.qgraph.matmul(h, q, head, "/lm_head")  # [N, vocab]
+        else:  # tied: the embedding initializer, reused
+            head = "model.embed_tokens.weight" if tied else self.weight("lm_head.weight", shape)
+            (logits,) = g.node("Gemm", [h, head], "/lm_head/Gemm", transB=1)  # [N, vocab]
         if self.dtype != "float32":
             (logits,) = g.node("Cast", [logits], "/lm_head/Cast", to=1)
         logits = self.final_logits(logits)  # [N, vocab] float32
@@ -350,11 +373,19 @@ class DecoderBuilder:
             (logits,) = g.node("Mul", [x, cap], "/lm_head/softcap/Mul")
         return logits
 
+    def embedding(self) -> str:
+        """The rows of input_ids in the embedding table: [T, hidden]."""
+        name, shape = "model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size)
+        if self.quantizer is not None:
+            q = self.quantizer.embedding(name, shape)
+            return self.qgraph.gather(C.INPUT_IDS, q, name, "/model/embed_tokens")
+        embed = self.weight(name, shape)
+        return self.g.node("Gather", [embed, C.INPUT_IDS], "/model/embed_tokens/Gather")[0]
+
     def build(self) -> None:
         cfg = self.cfg
         self.declare_inputs()
-        embed = self.weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        (x,) = self.g.node("Gather", [embed, C.INPUT_IDS], "/model/embed_tokens/Gather")
+        x = self.embedding()  # [T, hidden]
         x = self.scaled(x, cfg.embedding_multiplier, "/model/embed_tokens/Mul")  # [T, hidden]
         ropes = self.rope_caches()
         residual = None

@@ -20,9 +20,11 @@ from ort_lora.export.external_data import DATA_SUFFIX, ExternalDataWriter, save_
 from ort_lora.export.families import BUILDERS
 from ort_lora.export.graph import FLOAT_DTYPES, GraphBuilder
 from ort_lora.export.loader import open_checkpoint
+from ort_lora.export.quantizer import WEIGHTS, QuantConfig
 
 DEVICE_DTYPES = {"cpu": ("float32",), "cuda": ("float16", "bfloat16")}
-EXTRA_KEYS = {"max_position_embeddings": int}
+EXTRA_KEYS = {"max_position_embeddings": int, "accuracy_level": int, "gguf_q4_1": str}
+QUANT_EXTRAS = ("accuracy_level", "gguf_q4_1")
 
 
 def export_model(
@@ -34,6 +36,8 @@ def export_model(
     block_size: int | None = None,
     device: str = "cpu",
     adapter_dtype: str | None = None,
+    weights: str | None = None,
+    quant_block_size: int = 32,
     force: bool = False,
     progress: bool = True,
     extra: dict | None = None,
@@ -45,12 +49,18 @@ def export_model(
     block_size: KV block size; None: default_block_size(device, head_dim).
     adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu,
         "bfloat16" (half the bytes LoraSGMV reads per step; float32 accumulation).
-    extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows.
+    weights: None or the float dtype (weights in `dtype`), or "int4" / "int8" (cpu): base
+        weights as MatMulNBits blocks of `quant_block_size` values (quantizer.py); adapters
+        and activations stay float32.
+    extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows;
+        quantized exports: accuracy_level (MatMulNBits, default 4), gguf_q4_1 (offset |
+        zero_point).
     Raises ExportError with a message for users on any bad input.
     """
     targets = _check_targets(lora_targets)
     extra = _check_extra(extra)
     _check_device_dtype(device, dtype)
+    quant = _quant_config(weights, device, dtype, quant_block_size, extra)
     adapter_dtype = _check_adapter_dtype(device, dtype, adapter_dtype)
     if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
         raise ExportError(f"block size must be a positive integer, got {block_size!r}")
@@ -65,19 +75,22 @@ def export_model(
     _check_page_fits_rows(cfg, targets, block_size, 2 if adapter_dtype else 1)
     if device == "cuda":
         _check_cuda_attention(cfg, block_size)
+    if quant is not None:
+        _check_quant_sizes(cfg, quant.block_size)
     options = dict(
         lora_targets=targets,
         dtype=dtype,
         block_size=block_size,
         device=device,
         adapter_dtype=adapter_dtype,
-        extra=extra,
+        quant=quant,
+        extra={k: v for k, v in extra.items() if k not in QUANT_EXTRAS},
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
-        _write_graph(cfg, source, tmp, options, progress)
+        options["quantization"] = _write_graph(cfg, source, tmp, options, progress)
         make_manifest(cfg, source, options).save(tmp)
         write_tokenizer(source, tmp)
         write_generation_config(source, tmp)
@@ -90,7 +103,8 @@ def export_model(
     return out_dir
 
 
-def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bool) -> None:
+def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bool) -> dict:
+    """Write model.onnx + its data; the manifest's quantization entry ({} for float)."""
     from tqdm import tqdm
 
     writer = ExternalDataWriter(tmp / (C.MODEL_NAME + DATA_SUFFIX))
@@ -111,6 +125,7 @@ def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bo
             lora_targets=options["lora_targets"],
             block_size=options["block_size"],
             adapter_dtype=options["adapter_dtype"],
+            quant=options["quant"],
             progress=bar,
         )
         builder.build()
@@ -119,6 +134,47 @@ def _write_graph(cfg: ArchConfig, source, tmp: Path, options: dict, progress: bo
         writer.close()
     opsets = {"": 17, MSFT: 1, C.OPS_DOMAIN: 1}
     save_model(graph.model(opsets), tmp / C.MODEL_NAME)
+    return {} if builder.quantizer is None else builder.quantizer.summary()
+
+
+def _quant_config(weights, device: str, dtype: str, block_size, extra: dict):
+    """The QuantConfig of `--weights int4|int8` (None for float weights), or an ExportError
+    naming the option that cannot work together with the others."""
+    asked = [k for k in QUANT_EXTRAS if k in extra]
+    if weights is None or weights in FLOAT_DTYPES:
+        if weights is not None and weights != dtype:
+            where = "cpu" if weights == "float32" else "cuda"
+            raise ExportError(
+                f"--weights {weights} with --dtype {dtype}: float weights are stored in the "
+                f"graph's dtype; pass --dtype {weights} (device {where}) or leave --weights out"
+            )
+        if asked:
+            raise ExportError(f"--extra {asked[0]} applies to --weights int4 / int8 only")
+        return None
+    if weights not in WEIGHTS:
+        choices = ", ".join([*WEIGHTS, *FLOAT_DTYPES])
+        raise ExportError(f"unknown --weights {weights!r}; expected one of {choices}")
+    if device != "cpu" or dtype != "float32":
+        raise ExportError(
+            f"--weights {weights} needs --device cpu with float32 activations (got device "
+            f"{device}, dtype {dtype}): this export emits ONNX Runtime's CPU MatMulNBits; "
+            "a CUDA graph with quantized weights is not implemented"
+        )
+    config = QuantConfig(weights, block_size, **{k: extra[k] for k in asked})
+    from ort_lora.export.quant_graph import check_runtime
+
+    check_runtime(config)
+    return config
+
+
+def _check_quant_sizes(cfg: ArchConfig, block_size: int) -> None:
+    """--block-size-q must divide the input size of every quantized weight."""
+    from ort_lora.export.quant import check_divides
+
+    check_divides(block_size, "model.embed_tokens.weight", cfg.hidden_size)
+    for module, size in cfg.module_sizes().items():
+        prefix = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        check_divides(block_size, f"model.layers.*.{prefix}.{module}.weight", size["in"])
 
 
 def _check_targets(lora_targets) -> list[str]:

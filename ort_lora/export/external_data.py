@@ -24,6 +24,7 @@ ONNX_TYPES = {
     "bfloat16": TensorProto.BFLOAT16,
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
+    "uint8": TensorProto.UINT8,
 }
 
 

@@ -76,16 +76,36 @@ class Phi3Builder(DecoderBuilder):
         self._fused: tuple[str, object] = ("", None)  # the fused tensor last read, by name
 
     def projection_weight(self, layer: int, prefix: str, module: str) -> str:
+        fused = self._fused_rows(layer, prefix, module)
+        if fused is None:
+            return super().projection_weight(layer, prefix, module)
+        name, parts, rows = fused
+        tensor = self._fused_tensor(name, parts)[rows]  # [out, in]
+        sizes = self.cfg.module_sizes()[module]
+        target = f"model.layers.{layer}.{prefix}.{module}.weight"
+        return self.initializer_from(target, tensor, (sizes["out"], sizes["in"]), True)
+
+    def projection_quantized(self, layer: int, prefix: str, module: str):
+        fused = self._fused_rows(layer, prefix, module)
+        if fused is None:
+            return super().projection_quantized(layer, prefix, module)
+        name, parts, rows = fused
+        sizes = self.cfg.module_sizes()
+        shape = (sum(sizes[p]["out"] for p in parts), sizes[parts[0]]["in"])
+        if self._fused[0] != name:
+            self._fused = (name, self.quantizer.linear(name, shape))
+        return self._fused[1].rows(rows)  # blocks run along `in`: any rows keep them whole
+
+    def _fused_rows(self, layer: int, prefix: str, module: str):
+        """(fused checkpoint tensor, its parts, the rows of `module`), or None if unfused."""
         fused = [f for f, parts in self.cfg.fused_modules.items() if module in parts]
         if not fused:
-            return super().projection_weight(layer, prefix, module)
+            return None
         sizes = self.cfg.module_sizes()
         parts = self.cfg.fused_modules[fused[0]]
-        tensor = self._fused_tensor(f"model.layers.{layer}.{prefix}.{fused[0]}.weight", parts)
         start = sum(sizes[p]["out"] for p in parts[: parts.index(module)])
-        rows = tensor[start : start + sizes[module]["out"]]  # [out, in]
-        name = f"model.layers.{layer}.{prefix}.{module}.weight"
-        return self.initializer_from(name, rows, (sizes[module]["out"], sizes[module]["in"]), True)
+        name = f"model.layers.{layer}.{prefix}.{fused[0]}.weight"
+        return name, parts, slice(start, start + sizes[module]["out"])
 
     def _fused_tensor(self, name: str, parts: list[str]):
         if self._fused[0] != name:

@@ -81,6 +81,7 @@ class GGUFSource(CheckpointSource):
         from transformers import AutoModelForCausalLM
 
         self.path = path
+        _check_ggml_types(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, dtype=torch.float32
@@ -90,6 +91,15 @@ class GGUFSource(CheckpointSource):
         self.config = model.config.to_dict()
         self.generation_config = model.generation_config.to_dict()
         self._tensors = dict(model.state_dict())
+        self._model, self._stored = model, None
+
+    def gguf_tensors(self):
+        """The file's tensors as stored (GGML blocks), for quantized exports (gguf_blocks.py)."""
+        if self._stored is None:
+            from ort_lora.export.gguf_blocks import GGUFTensors
+
+            self._stored = GGUFTensors(self.path, self._model)
+        return self._stored
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -98,6 +108,29 @@ class GGUFSource(CheckpointSource):
         if name not in self._tensors:
             raise ExportError(f"GGUF model {self.path} lacks the tensor {name!r}")
         return self._tensors[name]
+
+
+def _check_ggml_types(path: Path) -> None:
+    """An ExportError naming the first tensor whose GGML type neither the gguf package can
+    dequantize nor ort-lora can carry over (checked before transformers reads the weights)."""
+    from gguf import GGUFReader
+
+    from ort_lora.export.gguf_blocks import dequantizable
+
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except Exception as e:
+        raise ExportError(f"cannot read GGUF file {path}: {e}") from None
+    known: dict = {}
+    for t in tensors:
+        if t.tensor_type not in known:
+            known[t.tensor_type] = dequantizable(t.tensor_type)
+        if not known[t.tensor_type]:
+            raise ExportError(
+                f"GGUF tensor {t.name} of {path.name} has type {t.tensor_type.name}, which "
+                "ort-lora can neither map onto MatMulNBits blocks (Q4_0, Q4_1, Q8_0) nor "
+                "dequantize (the gguf package has no dequantizer for it)"
+            )
 
 
 def require_gguf() -> None:
