@@ -53,15 +53,20 @@ def main(argv=None) -> list[int]:
             C.BLOCK_TABLE: block_table,
             C.SLOT_MAPPING: (block_table[0, pos // bs] * bs + pos % bs).astype(np.int32),
             C.LOGITS_INDICES: np.array([len(new) - 1], np.int64),
-            # no adapter: one token segment in slot -1, one dummy slot of rank 0
+            # no adapter: one token segment in slot -1, one dummy slot of rank 0, nothing
+            # composed (no lora_comp_* entries), no DoRA rows (dora_offsets -1)
             C.LORA_SEG_STARTS: np.array([0, len(new)], np.int32),
             C.LORA_SEG_SLOTS: np.array([-1], np.int32),
+            C.LORA_COMP_SEGS: np.zeros(0, np.int32),
+            C.LORA_COMP_SLOTS: np.zeros(0, np.int32),
+            C.LORA_COMP_WEIGHTS: np.zeros(0, np.float32),
         }
         for module in m["lora_targets"]:
             feeds[C.lora_input_name(module, "a_offsets")] = np.zeros((1, 1), np.int64)
             feeds[C.lora_input_name(module, "b_offsets")] = np.zeros((1, 1), np.int64)
             feeds[C.lora_input_name(module, "ranks")] = np.zeros((m["num_layers"], 1), np.int32)
             feeds[C.lora_input_name(module, "scales")] = np.zeros((m["num_layers"], 1), "f4")
+            feeds[C.lora_input_name(module, "dora_offsets")] = np.full(1, -1, np.int64)
         graph_inputs = {i.name for i in sess.get_inputs()}
         for name, value in feeds.items():
             if name in graph_inputs:

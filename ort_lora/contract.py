@@ -3,7 +3,7 @@
 Input and output names of an exported model, the LoRA target modules, and the manifest that
 describes an exported model directory. Pure data: imports neither onnxruntime nor torch.
 
-Graph inputs (T packed tokens, B sequences, S LoRA segments):
+Graph inputs (T packed tokens, B sequences, S LoRA segments, E composition entries):
   input_ids                  int64 [T]
   position_ids               int64 [T]
   cumulative_sequence_length int32 [B + 1]
@@ -19,11 +19,18 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments):
                                             for prompt_logprobs)
   key_cache.{l}, value_cache.{l}  [num_pages, block_size, kv_heads, head_dim]  pool views
   lora_seg_starts            int32 [S + 1]  token segments, ordered by adapter slot
-  lora_seg_slots             int32 [S]      slot of each segment, -1 = base model only
+  lora_seg_slots             int32 [S]      slot of each segment (weight 1), -1 = none
+  lora_comp_segs             int32 [E]      composition: entry e adds the adapter in slot
+  lora_comp_slots            int32 [E]        lora_comp_slots[e], weighted lora_comp_weights[e],
+  lora_comp_weights          float [E]        to the rows of segment lora_comp_segs[e]
   lora_{m}_a_offsets         int64 [num_slots, max_rank_m]  per target module m
   lora_{m}_b_offsets         int64 [num_slots, max_rank_m]
   lora_{m}_ranks             int32 [num_layers, num_slots]
   lora_{m}_scales            float [num_layers, num_slots]
+  lora_{m}_dora_offsets      int64 [num_slots]  pool element of the slot's DoRA row, -1 = none
+The lora_comp_* and lora_{m}_dora_offsets inputs exist in exports whose manifest lists
+"composition" and "dora" in lora_features (AdapterRegistry.lora_step_inputs feeds them: E = 0
+and -1 for every slot when no request composes and no adapter is DoRA).
 Output:
   logits                     float32 [N, vocab]
 
@@ -69,11 +76,28 @@ x and adds its float32 delta to the quantized projection's output. The entry rec
                           its tensors (the checkpoint tensor: what transformers reads; 0 up
                           to float32 rounding for the exact mappings)
 
+Composition and DoRA (LoraSGMV, custom_ops/lora_sgmv/lora_sgmv_op.h; numpy reference
+ort_lora/ops/lora_sgmv_ref.py). Segment s's adapters (its terms) are lora_seg_slots[s] with
+weight 1 when >= 0, then its lora_comp_* entries in order; its rows get
+sum over terms of w * scales[l, slot] * B A x, i.e. sum_i w_i s_i B_i (A_i x): PEFT's
+add_weighted_adapter(combination_type="cat") of those adapters, without a merge. A DoRA adapter
+(PEFT use_dora) has, per module and layer, a row D [out_m] in its pages beside A and B^T:
+D = m / ||W + s B A||_row - 1 (m PEFT's lora_magnitude_vector, W the exported base weight, the
+norm per output row, as PEFT's detached weight norm; stored minus one so that rounding to the
+row type errs on the correction only), the same row type as A and B^T. A segment whose ONE
+term is a DoRA slot gets y_out = (y + delta) * (1 + D); composing a DoRA adapter with others is
+an error (PEFT defines no such composition). LoraSGMV's y is the projection W x without its
+bias: a module's bias is added after LoraSGMV (PEFT scales W x + s B A x, never the bias).
+The registry computes D when the adapter is loaded (adapters/dora.py): it reads the module's
+base weight from the export itself (model.onnx's graph, initializers memory-mapped from its
+external data; MatMulNBits weights dequantized), never loading the model a second time.
+
 Fused checkpoint modules (manifest.fused_modules, e.g. Phi-3's qkv_proj -> q_proj, k_proj,
 v_proj): the graph has the separate target modules, whose weights are row slices of the fused
 one, in the listed order. A PEFT adapter on the fused module (A [r, in], B [sum of outs, r])
 is served as the same A on every part with B's row slice of that part, at the fused module's
-rank and scaling: exactly the fused delta, row by row (adapters/fused.py).
+rank and scaling: exactly the fused delta, row by row (adapters/fused.py). A DoRA magnitude
+on a fused module splits the same way: each part's rows keep their own m and norm.
 """
 
 from __future__ import annotations
@@ -98,7 +122,15 @@ ATTENTION_METADATA = "attention_metadata"
 LOGITS_INDICES = "logits_indices"
 LORA_SEG_STARTS = "lora_seg_starts"
 LORA_SEG_SLOTS = "lora_seg_slots"
+LORA_COMP_SEGS = "lora_comp_segs"
+LORA_COMP_SLOTS = "lora_comp_slots"
+LORA_COMP_WEIGHTS = "lora_comp_weights"
 LOGITS = "logits"
+
+# What an export's LoraSGMV nodes take beyond one plain adapter per segment (manifest
+# lora_features): "composition" (the lora_comp_* inputs), "dora" (lora_{m}_dora_offsets).
+LORA_FEATURES = ("composition", "dora")
+LORA_INPUT_KINDS = ("a_offsets", "b_offsets", "ranks", "scales", "dora_offsets")
 
 
 ADAPTER_DTYPE_ATTR = {"bfloat16": 16}  # LoraSGMV attribute adapter_dtype (TensorProto type)
@@ -113,8 +145,8 @@ def value_cache_name(layer: int) -> str:
 
 
 def lora_input_name(module: str, kind: str) -> str:
-    """kind is one of a_offsets, b_offsets, ranks, scales."""
-    assert module in LORA_MODULES and kind in ("a_offsets", "b_offsets", "ranks", "scales")
+    """kind is one of LORA_INPUT_KINDS: a_offsets, b_offsets, ranks, scales, dora_offsets."""
+    assert module in LORA_MODULES and kind in LORA_INPUT_KINDS
     return f"lora_{module}_{kind}"
 
 
@@ -146,6 +178,12 @@ class ModelManifest:
     adapter_dtype: str | None = None  # None: the pool's dtype; "bfloat16" rows in a float32 pool
     # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
     fused_modules: dict[str, list[str]] = field(default_factory=dict)
+    # what the LoraSGMV nodes take beyond one adapter per segment (LORA_FEATURES); none in a
+    # manifest written before them (load)
+    lora_features: list[str] = field(default_factory=lambda: list(LORA_FEATURES))
+    # the directory the manifest was loaded from (not saved): where the adapter registry reads
+    # base weights (DoRA)
+    model_dir: str | None = field(default=None, compare=False)
     # {} for float weights; quantized exports (--weights int4|int8), see the module docstring
     quantization: dict = field(default_factory=dict)
 
@@ -164,6 +202,10 @@ class ModelManifest:
             raise ValueError(
                 f"quantization {self.quantization.get('weights')!r} on {self.device} / "
                 f"{self.dtype}: expected int4 or int8 weights with float32 on cpu"
+            )
+        if not set(self.lora_features) <= set(LORA_FEATURES):
+            raise ValueError(
+                f"lora_features {self.lora_features!r}: expected a subset of {list(LORA_FEATURES)}"
             )
         unknown = set(self.lora_targets) - set(LORA_MODULES)
         unknown |= {p for parts in self.fused_modules.values() for p in parts} - set(LORA_MODULES)
@@ -194,7 +236,9 @@ class ModelManifest:
 
     def save(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / MANIFEST_NAME
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        fields = asdict(self)
+        del fields["model_dir"]
+        path.write_text(json.dumps(fields, indent=2) + "\n")
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ModelManifest:
@@ -204,4 +248,6 @@ class ModelManifest:
                 f"{model_dir} is not an exported ort-lora model: "
                 f"no {MANIFEST_NAME} (run `ort-lora export` first)"
             )
-        return cls(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        fields.setdefault("lora_features", [])  # exported before composition and DoRA
+        return cls(**fields, model_dir=str(Path(model_dir)))

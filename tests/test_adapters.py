@@ -243,7 +243,7 @@ def edited_copy(src, dst, **config_changes):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"use_dora": True}, "use_dora"),
+        ({"use_dora": True}, "no matching lora_magnitude_vector.*use_dora: true"),  # no m
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"bias": "all"}, "bias"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ort_lora import contract as C
+from ort_lora.adapters.compose import composition_entries
 from ort_lora.engine.model_runner import ModelRunner
 from ort_lora.engine.step_plan import base_plan, build_metadata
 from ort_lora.export.verify import reference_step
@@ -88,7 +89,8 @@ def _place_adapter(session, rank: int, first_page: int, rng):
         inputs[C.lora_input_name(module, "ranks")] = np.full((m.num_layers, 1), rank, np.int32)
         scales = 0.5 + rng.random((m.num_layers, 1)).astype(np.float32)
         inputs[C.lora_input_name(module, "scales")] = scales
-    return weights, inputs
+        inputs[C.lora_input_name(module, "dora_offsets")] = np.full(1, -1, np.int64)  # no DoRA
+    return weights, inputs | composition_entries()  # nothing composed
 
 
 def test_lora_segments_match_merged_weights(session, reference, tiny_llama_checkpoint, rng):

@@ -7,6 +7,8 @@ A [r, in] and B [sum of outs, r]. Row block i of that delta is scale * B_i A x, 
 B's rows of part i: so the adapter is served as LoRA (A, B_i) on each part p_i, with the fused
 module's rank and scaling. Exact, and the graph, the pool layout and the kernels are those of
 unfused models (A is stored and applied once per part: n - 1 extra rank-r products per token).
+DoRA is row-wise too: the magnitude m [sum of outs] and the norm of each row of W + s B A split
+by the same row blocks, so part i keeps its rows of m and its own rows' norms.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def module_dims(manifest: ModelManifest, module: str) -> dict[str, int]:
 
 
 def split_fused(pairs: dict, manifest: ModelManifest) -> dict:
-    """{(module, layer): (key, A [r, in], B [out, r])} with every fused module's entry replaced
-    by one entry per part: the same A, B's rows of that part, the fused module's key (so its
-    rank and scaling apply)."""
+    """{(module, layer): (key, A [r, in], B [out, r], DoRA magnitude [out] or None)} with every
+    fused module's entry replaced by one entry per part: the same A, B's rows of that part (and
+    the magnitude's), the fused module's key (so its rank and scaling apply)."""
     out = {}
-    for (module, layer), (key, a, b) in pairs.items():
+    for (module, layer), (key, a, b, m) in pairs.items():
         start = 0
         for part in module_parts(manifest, module):
             if (part, layer) in out:
@@ -41,7 +43,7 @@ def split_fused(pairs: dict, manifest: ModelManifest) -> dict:
                     f"{key!r} and {out[(part, layer)][0]!r} both put LoRA on {part} of layer "
                     f"{layer}; expected one of them"
                 )
-            rows = manifest.lora_targets[part]["out"]
-            out[(part, layer)] = (key, a, b[start : start + rows])
-            start += rows
+            rows = slice(start, start + manifest.lora_targets[part]["out"])
+            out[(part, layer)] = (key, a, b[rows], None if m is None else m[rows])
+            start = rows.stop
     return out

@@ -5,6 +5,10 @@ Host form (float32, per target module m of the adapter):
   bt     [num_layers, max_rank_m, out_m]  B^T rows (PEFT stores B as [out, r])
   ranks  int32 [num_layers]               0 where the layer has no LoRA on m
   scales float32 [num_layers]             PEFT's scaling of that layer's module
+DoRA adapters (use_dora) also have, per module, PEFT's lora_magnitude_vector:
+  magnitude [num_layers, out_m]           m as loaded (0 where the layer has no LoRA on m)
+  dora      [num_layers, out_m]           D = m / ||W + s B A||_row - 1, set from the base
+                                          weights by adapters/dora.py (which drops magnitude)
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from ort_lora.contract import LORA_MODULES, ModelManifest
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
-# base_model.model.<key>.lora_{A,B}[.<adapter name>].weight; key ends in layers.<l>.<block>.<m>
+# base_model.model.<key>.lora_{A,B}[.<adapter name>].weight, and DoRA's
+# base_model.model.<key>.lora_magnitude_vector[.<adapter name>][.weight]; key ends in
+# layers.<l>.<block>.<m>
 _TENSOR_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<key>(?:.*\.)?layers\.(?P<layer>\d+)\.[^.]+\.(?P<module>[^.]+))"
-    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+    r"\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|lora_(?P<m>magnitude)_vector(?:\.[^.]+)??(?:\.weight)?)$"
 )
 
 
@@ -39,6 +45,8 @@ class ModuleWeights:
     bt: np.ndarray  # [num_layers, max_rank, out]
     ranks: np.ndarray  # int32 [num_layers]
     scales: np.ndarray  # float32 [num_layers]
+    magnitude: np.ndarray | None = None  # DoRA's m [num_layers, out] until dora is computed
+    dora: np.ndarray | None = None  # DoRA's D [num_layers, out]; None: not a DoRA module
 
     @property
     def max_rank(self) -> int:
@@ -63,7 +71,15 @@ class HostAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.bt.nbytes for w in self.modules.values())
+        return sum(
+            w.a.nbytes + w.bt.nbytes + (0 if w.dora is None else w.dora.nbytes)
+            for w in self.modules.values()
+        )
+
+    @property
+    def is_dora(self) -> bool:
+        """Whether any module has DoRA rows (PEFT use_dora)."""
+        return any(w.dora is not None or w.magnitude is not None for w in self.modules.values())
 
 
 def resolve_weights(adapter_dir: Path) -> Path:
@@ -98,7 +114,10 @@ def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) ->
         pairs = _pair_tensors(f.tensors, config, manifest, weights)
         if not pairs:
             raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
-        pairs = {k: (key, f.read(a), f.read(b)) for k, (key, a, b) in pairs.items()}
+        pairs = {
+            k: (key, f.read(a), f.read(b), None if m is None else f.read(m))
+            for k, (key, a, b, m) in pairs.items()
+        }
     return HostAdapter(name, adapter_dir, _stack_modules(pairs, config, manifest))
 
 
@@ -107,28 +126,45 @@ def _example() -> str:
 
 
 def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, where: Path) -> dict:
-    """{(module, layer): (key, A's name, B's name)}, every tensor's name and shape checked.
-    tensors: name -> anything with a `.shape` (the file's header entries)."""
-    halves: dict[tuple[str, int], dict[str, tuple[str, np.ndarray]]] = {}
+    """{(module, layer): (key, A's name, B's name, DoRA magnitude's name or None)}, every
+    tensor's name and shape checked. tensors: name -> anything with a `.shape` (the file's
+    header entries)."""
+    parts: dict[tuple[str, int], dict[str, tuple[str, np.ndarray]]] = {}
     for tname, t in tensors.items():
         m = _TENSOR_RE.match(tname)
         if m is None:
-            raise AdapterError(f"{where}: tensor {tname!r} is not a LoRA A/B weight of a layer")
+            raise AdapterError(
+                f"{where}: tensor {tname!r} is not a LoRA A/B weight of a layer "
+                "(nor a DoRA magnitude)"
+            )
         module, layer = m.group("module"), int(m.group("layer"))
         _check_target(tname, m.group("key"), module, layer, config, manifest, where)
-        halves.setdefault((module, layer), {})[m.group("ab")] = (tname, t)
+        parts.setdefault((module, layer), {})[m.group("ab") or "M"] = (tname, t)
     pairs = {}
-    for (module, layer), ab in halves.items():
-        if set(ab) != {"A", "B"}:
-            have = next(iter(ab))
-            missing = "B" if have == "A" else "A"
-            raise AdapterError(
-                f"{where}: tensor {ab[have][0]!r} has no matching lora_{missing} tensor"
-            )
+    for (module, layer), ab in parts.items():
+        _check_complete(ab, config.use_dora, where)
         key = _TENSOR_RE.match(ab["A"][0]).group("key")
         _check_shapes(ab, module, config.rank(key), manifest, where)
-        pairs[(module, layer)] = (key, ab["A"][0], ab["B"][0])
+        pairs[(module, layer)] = (key, ab["A"][0], ab["B"][0], ab.get("M", (None,))[0])
     return pairs
+
+
+def _check_complete(ab: dict, use_dora: bool, where: Path) -> None:
+    """A and B, and a DoRA magnitude exactly when adapter_config.json says use_dora."""
+    name = next(iter(ab.values()))[0]
+    for half in ("A", "B"):
+        if half not in ab:
+            raise AdapterError(f"{where}: tensor {name!r} has no matching lora_{half} tensor")
+    if use_dora and "M" not in ab:
+        raise AdapterError(
+            f"{where}: tensor {ab['A'][0]!r} has no matching lora_magnitude_vector tensor "
+            "(adapter_config.json says use_dora: true)"
+        )
+    if not use_dora and "M" in ab:
+        raise AdapterError(
+            f"{where}: tensor {ab['M'][0]!r} is a DoRA magnitude, but adapter_config.json says "
+            "use_dora: false"
+        )
 
 
 def _check_target(tname, key, module, layer, config, manifest, where) -> None:
@@ -159,6 +195,11 @@ def _check_target(tname, key, module, layer, config, manifest, where) -> None:
 def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
     dims = module_dims(manifest, module)
     (a_name, a), (b_name, b) = ab["A"], ab["B"]
+    if "M" in ab and tuple(ab["M"][1].shape) != (dims["out"],):
+        raise AdapterError(
+            f"{where}: tensor {ab['M'][0]!r} has shape {list(ab['M'][1].shape)}; expected "
+            f"[out={dims['out']}] (a DoRA magnitude per output row of the module)"
+        )
     if tuple(a.shape) != (rank, dims["in"]):
         raise AdapterError(
             f"{where}: tensor {a_name!r} has shape {list(a.shape)}; expected "
@@ -180,18 +221,22 @@ def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest)
         if not layers:
             continue
         dims = manifest.lora_targets[module]
-        max_rank = max(a.shape[0] for _, a, _ in layers.values())
+        max_rank = max(a.shape[0] for _, a, _, _ in layers.values())
         w = ModuleWeights(
             a=np.zeros((num_layers, max_rank, dims["in"]), np.float32),
             bt=np.zeros((num_layers, max_rank, dims["out"]), np.float32),
             ranks=np.zeros(num_layers, np.int32),
             scales=np.zeros(num_layers, np.float32),
         )
-        for layer, (key, a, b) in layers.items():
+        if config.use_dora:
+            w.magnitude = np.zeros((num_layers, dims["out"]), np.float32)
+        for layer, (key, a, b, m) in layers.items():
             r = a.shape[0]
             w.a[layer, :r] = a
             w.bt[layer, :r] = b.T
             w.ranks[layer] = r
             w.scales[layer] = config.scaling(key)
+            if m is not None:
+                w.magnitude[layer] = m
         modules[module] = w
     return modules

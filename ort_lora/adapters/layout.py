@@ -3,8 +3,9 @@
 In layer l the pool share is one flat array: key_cache.{l} then value_cache.{l}, so half h of
 page p starts at flat element (h * num_pages + p) * page_elems. An adapter owns a list of
 pages, the same in every layer, i.e. 2 * len(pages) "halves" of page_elems elements each.
-Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m) are packed
-first-fit-decreasing into those halves, so no row straddles a half. The packing depends only on
+Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m, and a DoRA
+adapter's row D, length out_m, per module) are packed first-fit-decreasing into those halves,
+so no row straddles a half. The packing depends only on
 the adapter, page_elems and `pack`; the page list just maps half i to page pages[i // 2], half
 i % 2. pack = 2 (bfloat16 rows in a float32 pool, manifest.adapter_row_pack) puts two values in
 each pool element: a row of n values takes ceil(n / 2) elements.
@@ -32,6 +33,8 @@ class Packing:
     num_halves: int
     # module -> (a_half [R], a_rel [R], b_half [R], b_rel [R]), all int64
     rows: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    # module -> (half, offset in it) of its DoRA row D; DoRA modules only
+    dora: dict[str, tuple[int, int]]
 
     @property
     def num_pages(self) -> int:
@@ -49,14 +52,17 @@ def packing(adapter: HostAdapter, page_elems: int, pack: int = 1) -> Packing:
 def _pack(adapter: HostAdapter, page_elems: int, pack: int) -> Packing:
     items = []  # (length in pool elements, module, kind, row)
     for m, w in adapter.modules.items():
-        for kind, n in (("a", w.a.shape[2]), ("b", w.bt.shape[2])):
+        assert w.magnitude is None, "DoRA rows are computed (adapters/dora.py) before the layout"
+        kinds = [("a", w.a.shape[2], w.max_rank), ("b", w.bt.shape[2], w.max_rank)]
+        kinds += [("d", w.bt.shape[2], 1)] if w.dora is not None else []
+        for kind, n, count in kinds:
             length = -(-n // pack)
             if length > page_elems:
                 raise AdapterError(
                     f"adapter {adapter.name!r}: module {m} rows of length {length} do not fit a "
                     f"page half of {page_elems} elements; export with a larger block_size"
                 )
-            items += [(length, m, kind, j) for j in range(w.max_rank)]
+            items += [(length, m, kind, j) for j in range(count)]
     items.sort(key=lambda it: -it[0])  # stable: module order kept among equal lengths
     free: list[int] = []  # remaining elements of each half
     place = {}
@@ -71,7 +77,8 @@ def _pack(adapter: HostAdapter, page_elems: int, pack: int) -> Packing:
         a = np.array([place[m, "a", j] for j in range(w.max_rank)], np.int64).reshape(-1, 2)
         b = np.array([place[m, "b", j] for j in range(w.max_rank)], np.int64).reshape(-1, 2)
         rows[m] = (a[:, 0], a[:, 1], b[:, 0], b[:, 1])
-    return Packing(len(free), rows)
+    dora = {m: place[m, "d", 0] for m in adapter.modules if (m, "d", 0) in place}
+    return Packing(len(free), rows, dora)
 
 
 def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
@@ -81,8 +88,9 @@ def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
 
 def layout(
     adapter: HostAdapter, pages, manifest: ModelManifest, num_pages: int
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m]) for these pages.
+) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m], dora_offset) for
+    these pages; dora_offset is -1 for a module without DoRA rows.
 
     Offsets are flat element offsets into one layer's pool share (key_cache then value_cache)
     of a pool with num_pages pages.
@@ -90,10 +98,12 @@ def layout(
     pe = manifest.page_elems
     pk = packing(adapter, pe, manifest.adapter_row_pack)
     half_start = _half_starts(adapter, pages, pk, num_pages, pe)  # [num_halves]
-    return {
-        m: (half_start[ah] + arel, half_start[bh] + brel)
-        for m, (ah, arel, bh, brel) in pk.rows.items()
-    }
+    out = {}
+    for m, (ah, arel, bh, brel) in pk.rows.items():
+        dh, drel = pk.dora.get(m, (-1, -1))
+        dora = int(half_start[dh] + drel) if dh >= 0 else -1
+        out[m] = (half_start[ah] + arel, half_start[bh] + brel, dora)
+    return out
 
 
 def _half_starts(adapter, pages, pk: Packing, num_pages: int, page_elems: int) -> np.ndarray:
@@ -136,9 +146,12 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
                 f"adapter {adapter.name!r} has {w.a.shape[0]} layers; the pool has {num_layers}"
             )
         ah, arel, bh, brel = pk.rows[m]
-        a, bt = _bfloat16_rows(adapter, m) if pack == 2 else (w.a, w.bt)
+        a, bt, d = _bfloat16_rows(adapter, m) if pack == 2 else (w.a, w.bt, w.dora)
         _copy_rows(flat, a, half_start[ah] + arel)
         _copy_rows(flat, bt, half_start[bh] + brel)
+        if d is not None:
+            dh, drel = pk.dora[m]
+            _copy_rows(flat, d[:, None], half_start[[dh]] + drel)
 
 
 def prepare_rows(adapter: HostAdapter, pack: int) -> None:
@@ -149,13 +162,14 @@ def prepare_rows(adapter: HostAdapter, pack: int) -> None:
             _bfloat16_rows(adapter, module)
 
 
-def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple[np.ndarray, np.ndarray]:
-    """The module's A and B^T rows as bfloat16 pairs, converted once per host adapter (every
-    later pool load is then a plain copy of half the float32 bytes)."""
+def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple:
+    """The module's A, B^T and DoRA rows (None without DoRA) as bfloat16 pairs, converted once
+    per host adapter (every later pool load is then a plain copy of half the float32 bytes)."""
     cache = adapter._pool_rows
     if module not in cache:
         w = adapter.modules[module]
-        cache[module] = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt))
+        d = None if w.dora is None else _bfloat16_pairs(w.dora[:, None])[:, 0]
+        cache[module] = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt), d)
     return cache[module]
 
 

@@ -30,7 +30,6 @@ LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 # field -> (value that is fine, why the others are refused)
 _REFUSED = {
-    "use_dora": (False, "DoRA adapters are not supported"),
     "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D weights) does not apply to Llama"),
     "lora_bias": (False, "LoRA bias terms are not supported"),
     "use_qalora": (False, "QALoRA is not supported"),
@@ -99,6 +98,7 @@ class PeftLoraConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     use_rslora: bool = False
+    use_dora: bool = False  # DoRA: a magnitude vector per module (adapters/dora.py)
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     exclude_modules: list[str] | str | None = None
@@ -241,6 +241,7 @@ def _build(raw: dict, path: Path) -> PeftLoraConfig:
         alpha_pattern=alpha_pattern,
         use_rslora=_optional(raw, "use_rslora", path, lambda v: isinstance(v, bool), "a bool")
         or False,
+        use_dora=_optional(raw, "use_dora", path, lambda v: isinstance(v, bool), "a bool") or False,
         layers_to_transform=_optional(
             raw, "layers_to_transform", path, _layer_indices, "an integer >= 0 or a list of them"
         ),

@@ -5,6 +5,11 @@ Pure bookkeeping over numpy: no onnxruntime, no torch. Which adapter sits in whi
 is the pool / scheduler's business; the registry turns (slot, adapter, pages) into the
 lora_{m}_* graph inputs and copies an adapter's rows into pages on request.
 
+DoRA adapters get their scale rows when loaded (adapters/dora.py), from the base weights of
+the export the manifest was loaded from (adapters/base_weights.py) or those given. Composed
+requests: `composition` checks a request's [(adapter, weight)], and lora_step_inputs takes the
+step's segments as (slot, weight) terms (adapters/compose.py).
+
 Unloading drains: `unload(name)` stops new users at once (`resolve` refuses the name, it is no
 longer listed), but the adapter stays registered until its last user (an unfinished sequence,
 counted with add_user / remove_user) is gone; the call that ends the drain returns the id, and
@@ -19,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
+from ort_lora.adapters.compose import check_weights, composition_entries, segment_inputs
+from ort_lora.adapters.dora import dora_scale_rows
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
 from ort_lora.adapters.layout import layout, num_pages_needed, prepare_rows, write_to_pool
@@ -28,6 +36,8 @@ from ort_lora.lora_request import LoRARequest
 
 # (slot, adapter int id or name, pages) for each adapter slot of a step
 StepSlots = list[tuple[int, int | str, tuple[int, ...]]]
+# per segment of a step (lora_seg_starts order): its (slot, weight) terms; [] = base rows
+StepSegments = list[list[tuple[int, float]]]
 _MAX_STEP_ENTRIES = 1024
 # Adapter names: what an API `model` field, a metrics label and a log line carry safely. No
 # spaces, quotes, newlines or "+" (reserved to compose adapters), at most 128 characters.
@@ -74,6 +84,8 @@ class AdapterRegistry:
     register() validates eagerly (a bad adapter fails there, with an AdapterError). Adapters
     evicted from the host cache are reloaded from disk by get(). With adapter_root set, every
     adapter path must resolve (symlinks followed) inside it, else AdapterPathError.
+    base_weights: where DoRA adapters' base weights come from; None: the export the manifest
+    was loaded from (manifest.model_dir), read back by memory map on the first DoRA adapter.
     """
 
     def __init__(
@@ -81,6 +93,7 @@ class AdapterRegistry:
         manifest: ModelManifest,
         max_cpu_loras: int = 8,
         adapter_root: str | Path | None = None,
+        base_weights: BaseWeights | None = None,
     ):
         if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int):
             raise ValueError(f"max_cpu_loras must be an integer >= 1, got {max_cpu_loras!r}")
@@ -89,6 +102,10 @@ class AdapterRegistry:
         self.manifest = manifest
         self.max_cpu_loras = max_cpu_loras
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
+        self.base_weights = base_weights
+        if base_weights is None and manifest.model_dir is not None:
+            self.base_weights = ExportedWeights(manifest.model_dir)  # indexed on first use
+        self._dora_ids: set[int] = set()  # registered DoRA adapters
         self._requests: dict[int, LoRARequest] = {}
         self._ids: dict[str, int] = {}
         self._pages_needed: dict[int, int] = {}
@@ -123,6 +140,8 @@ class AdapterRegistry:
         self._requests[request.lora_int_id] = request
         self._ids[request.lora_name] = request.lora_int_id
         self._pages_needed[request.lora_int_id] = num_pages_needed(adapter, self.manifest)
+        if adapter.is_dora:
+            self._dora_ids.add(request.lora_int_id)
         self._cache(request.lora_int_id, adapter)
         return adapter
 
@@ -180,6 +199,7 @@ class AdapterRegistry:
         aid = request.lora_int_id
         assert not self._users.get(aid), f"adapter {request.lora_name!r} still has users"
         del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
+        self._dora_ids.discard(aid)
         self._host.pop(aid, None)
         for key in [k for k in self._step_parts if k[0] == aid]:
             del self._step_parts[key]
@@ -237,9 +257,56 @@ class AdapterRegistry:
             adapter = load_adapter(request.lora_name, path, self.manifest)
         except OSError as e:  # unreadable, a directory where a file should be, too long
             raise AdapterError(f"adapter {request.lora_name!r}: cannot read {path}: {e.strerror}")
+        if adapter.is_dora:
+            self._dora_rows(adapter)
         prepare_rows(adapter, self.manifest.adapter_row_pack)
         self.stats["loads"] += 1
         return adapter
+
+    def _dora_rows(self, adapter: HostAdapter) -> None:
+        """Compute a DoRA adapter's scale rows; AdapterError when this export cannot serve it."""
+        if "dora" not in self.manifest.lora_features:
+            raise AdapterError(
+                f"adapter {adapter.name!r} is a DoRA adapter (use_dora), but the exported model "
+                "predates DoRA support (its manifest's lora_features lacks 'dora'): re-export it"
+            )
+        if self.base_weights is None:
+            raise AdapterError(
+                f"adapter {adapter.name!r} is a DoRA adapter (use_dora): its scale needs the "
+                "base weights, and this registry has none (no model directory, no base_weights)"
+            )
+        dora_scale_rows(adapter, self.base_weights, self.manifest.adapter_row_pack == 2)
+
+    def is_dora(self, name_or_id: str | int) -> bool:
+        """Whether the registered adapter is a DoRA adapter (it cannot be composed)."""
+        return self.request(name_or_id).lora_int_id in self._dora_ids
+
+    def composition(
+        self, adapters: list[tuple[str | int, float]], max_loras: int | None = None
+    ) -> tuple[tuple[int, float], ...]:
+        """A composed request's adapters [(name or int id, weight)] checked and resolved to
+        ((int id, weight), ...), in order. AdapterError naming the problem: no adapter, more
+        than max_loras, one twice, a weight not finite, an adapter not registered (or being
+        unloaded: AdapterNotFoundError), a DoRA adapter (cannot be composed), an export without
+        composition. The adapters must be registered first (resolve / register)."""
+        if "composition" not in self.manifest.lora_features:
+            raise AdapterError(
+                "the exported model predates composition (its manifest's lora_features lacks "
+                "'composition'): re-export it to compose adapters"
+            )
+        for name_or_id, _ in adapters:
+            if self._is_unloading(name_or_id):
+                raise AdapterNotFoundError(f"adapter not found: {name_or_id!r} (being unloaded)")
+        out = [(self.request(a).lora_int_id, w) for a, w in adapters]
+        check_weights(out, [str(a) for a, _ in adapters], max_loras)
+        for (aid, _), (name_or_id, _) in zip(out, adapters):
+            if aid in self._dora_ids:
+                raise AdapterError(
+                    f"adapter {name_or_id!r} is a DoRA adapter: DoRA adapters cannot be composed "
+                    "(each rescales the whole module output by its own magnitude)"
+                )
+        out = [(aid, float(w)) for aid, w in out]
+        return tuple(out)
 
     def _cache(self, aid: int, adapter: HostAdapter) -> None:
         self._host[aid] = adapter
@@ -257,24 +324,37 @@ class AdapterRegistry:
         """Copy the adapter's rows of every layer into its pages of the pool array."""
         write_to_pool(self.get(name_or_id), pages, pool, self.manifest.adapter_row_pack)
 
-    def lora_step_inputs(self, slots: StepSlots, num_pages: int) -> dict[str, np.ndarray]:
-        """The lora_{m}_{a_offsets,b_offsets,ranks,scales} graph inputs of one step.
+    def lora_step_inputs(
+        self, slots: StepSlots, num_pages: int, segments: StepSegments | None = None
+    ) -> dict[str, np.ndarray]:
+        """The LoRA graph inputs of one step beyond lora_seg_starts: per module
+        lora_{m}_{a_offsets,b_offsets,ranks,scales} and, when the export has them,
+        lora_{m}_dora_offsets and lora_comp_{segs,slots,weights}.
 
         slots: (slot, adapter int id or name, pages) per adapter slot; slots not listed (and
         modules an adapter does not target) get rank 0; no slots -> one dummy slot of rank 0.
-        num_pages: pages in the pool (offsets of value halves depend on it). Cached per
-        (adapter, pages); the returned arrays are shared with the cache: do not modify them.
+        num_pages: pages in the pool (offsets of value halves depend on it).
+        segments: None -> no composition (E = 0; lora_seg_slots stays the caller's). Else every
+        segment's (slot, weight) terms in lora_seg_starts order; the result then holds
+        lora_seg_slots too (compose.segment_inputs), replacing the caller's. A composed segment
+        holding a DoRA adapter's slot is a ValueError (composition() refuses such requests).
+        The per-module arrays are cached per (adapter, pages) and shared with the cache: do not
+        modify them.
         """
         key = (num_pages, tuple((int(s), a, tuple(int(p) for p in pg)) for s, a, pg in slots))
-        if self._last_step is not None and self._last_step[0] == key:
-            return self._last_step[1]
-        slot_ids = [s for s, _, _ in key[1]]
-        if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
-            raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
-        parts = {slot: self._slot_part(aid, pages, num_pages) for slot, aid, pages in key[1]}
-        out = self._assemble(parts)
-        self._last_step = (key, out)
-        return out
+        if self._last_step is None or self._last_step[0] != key:
+            slot_ids = [s for s, _, _ in key[1]]
+            if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
+                raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
+            parts = {slot: self._slot_part(aid, pages, num_pages) for slot, aid, pages in key[1]}
+            self._last_step = (key, self._assemble(parts))
+        out = self._last_step[1]  # with E = 0 composition entries if the export has them
+        if segments is None:
+            return out
+        if "composition" not in self.manifest.lora_features:
+            raise ValueError("this export has no composition inputs (manifest lora_features)")
+        dora = {s for s, aid, _ in key[1] if self.request(aid).lora_int_id in self._dora_ids}
+        return out | segment_inputs(segments, dora)
 
     def clear_step_cache(self) -> None:
         """Drop the cached per-(adapter, pages) step inputs (they are rebuilt on demand)."""
@@ -282,7 +362,8 @@ class AdapterRegistry:
         self._last_step = None
 
     def _slot_part(self, name_or_id: str | int, pages: tuple, num_pages: int) -> dict:
-        """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L]) for one slot."""
+        """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L], dora_off) for
+        one slot (dora_off -1: no DoRA rows)."""
         aid = self.request(name_or_id).lora_int_id
         key = (aid, pages, num_pages)
         if key in self._step_parts:
@@ -290,7 +371,10 @@ class AdapterRegistry:
             return self._step_parts[key]
         adapter = self.get(aid)
         offsets = layout(adapter, pages, self.manifest, num_pages)
-        part = {m: (*offsets[m], w.ranks, w.scales) for m, w in adapter.modules.items()}
+        part = {
+            m: (offsets[m][0], offsets[m][1], w.ranks, w.scales, offsets[m][2])
+            for m, w in adapter.modules.items()
+        }
         self._step_parts[key] = part
         while len(self._step_parts) > _MAX_STEP_ENTRIES:
             self._step_parts.popitem(last=False)
@@ -306,13 +390,18 @@ class AdapterRegistry:
             b_off = np.zeros((num_slots, rank), np.int64)
             ranks = np.zeros((num_layers, num_slots), np.int32)
             scales = np.zeros((num_layers, num_slots), np.float32)
+            dora = np.full(num_slots, -1, np.int64)
             for slot, p in parts.items():
                 if m in p:
-                    a, b, r, s = p[m]
+                    a, b, r, s, d = p[m]
                     a_off[slot, : len(a)], b_off[slot, : len(b)] = a, b
-                    ranks[:, slot], scales[:, slot] = r, s
+                    ranks[:, slot], scales[:, slot], dora[slot] = r, s, d
             out[lora_input_name(m, "a_offsets")] = a_off
             out[lora_input_name(m, "b_offsets")] = b_off
             out[lora_input_name(m, "ranks")] = ranks
             out[lora_input_name(m, "scales")] = scales
+            if "dora" in self.manifest.lora_features:
+                out[lora_input_name(m, "dora_offsets")] = dora
+        if "composition" in self.manifest.lora_features:
+            out |= composition_entries()
         return out

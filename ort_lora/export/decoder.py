@@ -1,7 +1,7 @@
 """The decoder-only graph shared by every architecture family (see contract.py for I/O).
 
     input_ids ─ Gather(embed) [─ Mul] ─┬──────────────── residual ───────────────┐
-        └ RMSNorm ─ q/k/v MatMul(+bias) ─ LoraSGMV [─ q/k RMSNorm] ─ PagedAttention
+        └ RMSNorm ─ q/k/v MatMul ─ LoraSGMV [─ +bias] [─ q/k RMSNorm] ─ PagedAttention
         ─ o MatMul ─ LoraSGMV [─ attention_output] ─ SkipRMSNorm(+residual) ─ gate/up MatMul
         ─ LoraSGMV ─ act(gate)*up ─ down MatMul ─ LoraSGMV [─ mlp_output]
         ─ (next layer's SkipRMSNorm) ...
@@ -117,11 +117,15 @@ class DecoderBuilder:
             g.input(C.value_cache_name(layer), self.dtype, cache_shape)
         g.input(C.LORA_SEG_STARTS, "int32", ["S_plus_1"])
         g.input(C.LORA_SEG_SLOTS, "int32", ["S"])
+        g.input(C.LORA_COMP_SEGS, "int32", ["E"])
+        g.input(C.LORA_COMP_SLOTS, "int32", ["E"])
+        g.input(C.LORA_COMP_WEIGHTS, "float32", ["E"])
         for m in self.targets:
             g.input(C.lora_input_name(m, "a_offsets"), "int64", ["num_slots", f"max_rank_{m}"])
             g.input(C.lora_input_name(m, "b_offsets"), "int64", ["num_slots", f"max_rank_{m}"])
             g.input(C.lora_input_name(m, "ranks"), "int32", [cfg.num_layers, "num_slots"])
             g.input(C.lora_input_name(m, "scales"), "float32", [cfg.num_layers, "num_slots"])
+            g.input(C.lora_input_name(m, "dora_offsets"), "int64", ["num_dora_slots"])
 
     # ---- building blocks --------------------------------------------------------------------
     def linear(self, layer: int, x: str, prefix: str, module: str) -> str:
@@ -135,15 +139,22 @@ class DecoderBuilder:
         else:
             q = self.projection_quantized(layer, prefix, module)  # [out, in] blocks
             y = self.qgraph.matmul(x, q, f"{hf}.weight", name)  # [T, out]
-        if self.src.has(f"{hf}.bias"):
+        if module in self.targets:
+            y = self.lora(layer, x, y, module, name)  # [T, out]
+        if self.src.has(f"{hf}.bias"):  # after LoraSGMV: DoRA scales W x + delta, not the bias
             b = self.weight(f"{hf}.bias", (sizes["out"],))
             (y,) = self.g.node("Add", [y, b], f"{name}/Add")
-        if module not in self.targets:
-            return y
+        return y  # [T, out]
+
+    def lora(self, layer: int, x: str, y: str, module: str, name: str) -> str:
+        """LoraSGMV: y (= x @ W^T, no bias) plus each segment's adapter deltas, DoRA-scaled
+        for DoRA segments (contract.py).  x: [T, in], y: [T, out]."""
         lora_inputs = [y, x, C.key_cache_name(layer), C.value_cache_name(layer)]
         lora_inputs += [C.LORA_SEG_STARTS, C.LORA_SEG_SLOTS]
         lora_inputs += [C.lora_input_name(module, k) for k in ("a_offsets", "b_offsets")]
         lora_inputs += [C.lora_input_name(module, k) for k in ("ranks", "scales")]
+        lora_inputs += [C.LORA_COMP_SEGS, C.LORA_COMP_SLOTS, C.LORA_COMP_WEIGHTS]
+        lora_inputs += [C.lora_input_name(module, "dora_offsets")]
         (y,) = self.g.node(
             "LoraSGMV",
             lora_inputs,
