@@ -4,9 +4,12 @@
                   x_s @ A_s^T, then @ B_s^T, per segment  -> FLOP-rate ratio (target >= 50 %)
   LoraSGMV rows   float32 vs bfloat16 adapter rows (attribute adapter_dtype = 16) at decode and
                   prefill shapes -> speedup and bytes moved per call
+  LoraSGMV mixes  DoRA segments vs plain LoRA of the same rank (target: within 5 %), and
+                  segments composing 2 adapters vs 1 (target: the extra cost is the second
+                  adapter's bytes: compare with one adapter of twice the rank, same bytes)
   PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %)
 
-Usage: python bench/bench_ops.py [--quick] [--out results/bench_ops.json]
+Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--out results/bench_ops.json]
 Prints a table and writes JSON (results, command line, machine). Times are medians over
 --reps runs after warm-up; ORT and numpy both use all the cores this process may run on.
 """
@@ -261,6 +264,110 @@ def bench_sgmv_row_dtypes(name, rows, adapters, rank, in_f, out_f, layers, reps,
     }  # fmt: skip
 
 
+# ---- LoraSGMV: DoRA and composition -----------------------------------------------------------
+
+MIX_INPUTS = SGMV_INPUTS + [
+    ("comp_segs", I32, 1), ("comp_slots", I32, 1), ("comp_weights", F32, 1),
+    ("dora_offsets", I64, 1),
+]  # fmt: skip
+MIXES = ("lora", "dora", "compose2", "lora_2x_rank")
+
+
+def mix_feeds(rng, rows, adapters, rank, in_f, out_f, mix, layers):
+    """Layer 0's feeds of `mix` (14-input node), one segment per adapter:
+    lora: each segment one adapter of `rank`; dora: the same adapters, all DoRA;
+    compose2: each segment its adapter + a second one of its own (weights 0.6 / 0.4);
+    lora_2x_rank: each segment one adapter of 2 * rank (compose2's bytes in one adapter).
+    Adapters of all `layers` share one pool (slots_per_layer per layer)."""
+    per_layer = adapters * (2 if mix == "compose2" else 1)
+    rank_used = 2 * rank if mix == "lora_2x_rank" else rank
+    slots = per_layer * layers
+    dora = list(range(slots)) if mix == "dora" else []
+    placed = place_random_adapters(rng, [rank_used] * slots, in_f, out_f, (16, 8, 128),
+                                   max_gap=0, dora_slots=dora)  # fmt: skip
+    seg = np.arange(adapters, dtype=np.int32)
+    comp = (seg, seg + adapters, np.full(adapters, 0.4, np.float32)) if mix == "compose2" else ()
+    return {
+        "y": aligned(rng.standard_normal((rows, out_f), dtype=np.float32)),
+        "x": aligned(rng.standard_normal((rows, in_f), dtype=np.float32)),
+        "key_cache": placed.key_cache,
+        "value_cache": placed.value_cache,
+        "seg_starts": np.linspace(0, rows, adapters + 1).astype(np.int32),
+        "seg_slots": seg,
+        "a_offsets": placed.a_offsets,
+        "b_offsets": placed.b_offsets,
+        "ranks": np.full((1, slots), rank_used, np.int32),
+        "scales": np.where(np.arange(slots) % per_layer < adapters, 1.0, 0.6)[None].astype(
+            np.float32
+        ),
+        "comp_segs": comp[0] if comp else np.zeros(0, np.int32),
+        "comp_slots": comp[1] if comp else np.zeros(0, np.int32),
+        "comp_weights": comp[2] if comp else np.zeros(0, np.float32),
+        "dora_offsets": placed.dora_offsets if dora else np.full(slots, -1, np.int64),
+    }, per_layer
+
+
+def mix_runner(rows, adapters, rank, in_f, out_f, mix, seed, layers):
+    """A callable making `layers` bound calls of `mix`, each on its own layer's adapters (as
+    sgmv_row_dtype_runner); layer 0's result checked against the reference."""
+    rng = np.random.default_rng(seed)
+    feeds, per_layer = mix_feeds(rng, rows, adapters, rank, in_f, out_f, mix, layers)
+    sess = one_node_session("LoraSGMV", MIX_INPUTS, [("y_out", F32, 2)], layer=0)
+    y_out = aligned(np.empty_like(feeds["y"]))
+    shift = ("seg_slots", "comp_slots")
+    runners = [
+        bound_runner(sess, feeds | {k: feeds[k] + i * per_layer for k in shift}, "y_out", y_out)
+        for i in range(layers)
+    ]
+    runners[0]()
+    ref = lora_sgmv(**feeds, layer=0)
+    np.testing.assert_allclose(y_out, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+    def run():
+        for r in runners:
+            r()
+
+    return run
+
+
+def bench_sgmv_mixes(name, rows, adapters, rank, in_f, out_f, layers, reps, seed, clock):
+    """Every mix, timed in turn within each rep (paired: a busy machine slows them alike);
+    times per call; MB = adapter rows read + x, y, y_out."""
+    runs = [mix_runner(rows, adapters, rank, in_f, out_f, m, seed, layers) for m in MIXES]
+    timed = paired_times(runs, max(5, reps // layers), clock, warmup=1)
+    t = {m: (median / layers, best / layers) for m, (median, best) in zip(MIXES, timed)}
+    act = 4 * rows * (in_f + 2 * out_f)
+    lora_rows = 4 * adapters * rank * (in_f + out_f)
+    mb = {"lora": lora_rows + act, "dora": lora_rows + 4 * adapters * out_f + act,
+          "compose2": 2 * lora_rows + act, "lora_2x_rank": 2 * lora_rows + act}  # fmt: skip
+    row = {"case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f,
+           "out": out_f, "layers": layers}  # fmt: skip
+    for m in MIXES:
+        row[f"{m}_ms"], row[f"{m}_min_ms"], row[f"{m}_mb"] = (
+            t[m][0] * 1e3,
+            t[m][1] * 1e3,
+            mb[m] / 1e6,
+        )
+    row["dora_vs_lora"] = t["dora"][0] / t["lora"][0]
+    row["compose2_vs_lora"] = t["compose2"][0] / t["lora"][0]
+    row["compose2_vs_2x_rank"] = t["compose2"][0] / t["lora_2x_rank"][0]
+    row["bytes_compose2_vs_lora"] = mb["compose2"] / mb["lora"]
+    row["dora_vs_lora_min"] = t["dora"][1] / t["lora"][1]
+    row["compose2_vs_lora_min"] = t["compose2"][1] / t["lora"][1]
+    return row
+
+
+def mix_cases(quick: bool):
+    """(name, rows, adapters, rank, in, out, layers) on SmolLM2's 576 -> 1536 projection, rank
+    16: decode (32 rows, 16 adapters), warm and cold (adapters of many layers, past the LLC),
+    and prefill (4 long segments)."""
+    cold_mb = 128 if quick else 512
+    decode_f32_mb = 16 * 16 * (576 + 1536) * 4 / 1e6
+    yield ("decode warm", 32, 16, 16, 576, 1536, 1)
+    yield ("decode cold", 32, 16, 16, 576, 1536, int(cold_mb / decode_f32_mb / 2) + 1)
+    yield ("prefill warm", 512 if quick else 2048, 4, 16, 576, 1536, 1)
+
+
 # ---- PagedAttention ----------------------------------------------------------------------------
 
 PA_INPUTS = [
@@ -358,10 +465,15 @@ def print_table(title, rows, cols):
             return f"{v!s:<20s}"
         return f"{v:>11.3f}" if isinstance(v, float) else f"{v!s:>11s}"
 
+    if not rows:  # a section not run (--only)
+        return
     print(f"\n{title}")
     print("  ".join(cell(i, c) for i, c in enumerate(cols)))
     for r in rows:
         print("  ".join(cell(i, r[c]) for i, c in enumerate(cols)))
+
+
+SECTIONS = ("sgmv", "rows", "mixes", "attention")
 
 
 def main(argv=None) -> int:
@@ -375,15 +487,24 @@ def main(argv=None) -> int:
         help="time with the calling thread's CPU clock (needs --threads 1; for a shared machine)",
     )
     parser.add_argument("--out", default="results/bench_ops.json", help="JSON output path")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="run these sections only (default: all)",
+    )
     args = parser.parse_args(argv)
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)
-    cases = list(sgmv_cases(args.quick))
-    dtype_cases = list(row_dtype_cases(args.quick))
-    total = len(cases) + len(dtype_cases) + 1
+    only = set(args.only)
+    cases = list(sgmv_cases(args.quick)) if "sgmv" in only else []
+    dtype_cases = list(row_dtype_cases(args.quick)) if "rows" in only else []
+    mixes = list(mix_cases(args.quick)) if "mixes" in only else []
+    total = len(cases) + len(dtype_cases) + len(mixes) + 1
     sgmv = []
     for i, case in enumerate(cases):
         print(f"[{i + 1}/{total}] LoraSGMV {case[0]} ...", flush=True)
@@ -392,9 +513,16 @@ def main(argv=None) -> int:
     for i, case in enumerate(dtype_cases):
         print(f"[{len(cases) + i + 1}/{total}] LoraSGMV rows f32/bf16 {case[0]} ...", flush=True)
         row_dtypes.append(bench_sgmv_row_dtypes(*case, reps=reps, seed=50 + i, clock=clock))
-    print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
-    seqs = 8 if args.quick else 32
-    pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
+    mix_rows = []
+    for i, case in enumerate(mixes):
+        done = len(cases) + len(dtype_cases) + i + 1
+        print(f"[{done}/{total}] LoraSGMV DoRA / composition {case[0]} ...", flush=True)
+        mix_rows.append(bench_sgmv_mixes(*case, reps=reps, seed=70 + i, clock=clock))
+    pa = None
+    if "attention" in only:
+        print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
+        seqs = 8 if args.quick else 32
+        pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
     title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
     print_table(title, sgmv, cols)
@@ -403,6 +531,12 @@ def main(argv=None) -> int:
     title = "LoraSGMV 576->1536 rank 16, adapter rows float32 vs bfloat16 (per call; MB = adapter"
     title += " rows + x, y, y_out)"
     print_table(title, row_dtypes, cols)
+    cols = ["case", "rows", "layers", "lora_ms", "dora_ms", "dora_vs_lora", "dora_vs_lora_min"]
+    cols += ["compose2_ms", "lora_2x_rank_ms", "compose2_vs_lora", "compose2_vs_2x_rank"]
+    cols += ["bytes_compose2_vs_lora"]
+    title = "LoraSGMV 576->1536 rank 16: DoRA vs plain LoRA, 2 composed adapters vs 1 and vs one"
+    title += " of rank 32 (per call; ratios of medians)"
+    print_table(title, mix_rows, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
         cols += ["ratio_min"]
@@ -414,6 +548,7 @@ def main(argv=None) -> int:
         "reps": reps,
         "lora_sgmv": sgmv,
         "lora_sgmv_row_dtypes": row_dtypes,
+        "lora_sgmv_dora_composition": mix_rows,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
