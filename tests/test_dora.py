@@ -489,3 +489,39 @@ def test_fused_dora_parts_side_by_side_are_peft(tmp_path, rng):
 def _part_out(w, layer, x):
     """A part's (1 + D) * s B A x (its W x share is added by the caller)."""
     return (1 + w.dora[layer]) * (w.scales[layer] * (x @ w.layer_a(layer).T) @ w.layer_bt(layer))
+
+
+# --- quantized exports (--weights int4 / int8, GGUF blocks) -----------------------------------
+
+
+def _ggml_types(name: str) -> str:
+    """Q4_1 (its float minimum as a per-block offset) on most linears, Q4_0 on q_proj."""
+    return "Q4_0" if "q_proj" in name else "Q8_0" if "embed" in name else "Q4_1"
+
+
+@pytest.mark.parametrize("source, weights", [("hf", "int4"), ("hf", "int8"), ("gguf", "int4")])
+def test_quantized_exports_read_back_as_their_dequantized_blocks(
+    tiny_llama_checkpoint, tmp_path, source, weights
+):
+    """The rows DoRA's norm reads from an int4 / int8 export (round-to-nearest with zero
+    points; GGUF Q4_0 / Q4_1 blocks with per-block offsets) are the export's own dequantized
+    weights, as the export's transformers reference reads them (quant_reference.py)."""
+    from quant_cases import export_quantized
+
+    from ort_lora.export.quant_reference import exported_weights
+    from ort_lora.export.tiny_gguf import write_llama_gguf
+
+    checkpoint = tiny_llama_checkpoint
+    if source == "gguf":
+        checkpoint = write_llama_gguf(tiny_llama_checkpoint, tmp_path / "t.gguf", _ggml_types)
+    out = export_quantized(checkpoint, tmp_path / "m", weights, 0)
+    blocks = exported_weights(out)
+    base = ExportedWeights(out)
+    offsets = 0
+    for layer in range(2):
+        for module in LORA_MODULES:
+            q = blocks[f"model.layers.{layer}.{BLOCK[module]}.{module}.weight"]
+            offsets += q.offsets is not None
+            want = q.dequantize()  # [out, in]
+            np.testing.assert_allclose(base.rows(layer, module, 0, len(want)), want, atol=1e-6)
+    assert (offsets > 0) == (source == "gguf"), "GGUF Q4_1 blocks carry a per-block offset"

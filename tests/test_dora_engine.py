@@ -119,3 +119,33 @@ def test_dora_scale_matters(tiny_llama_export, hf_model, adapter_dirs, tmp_path)
     ours = np.array([e[PROMPTS[1][i + 1]].logprob for i, e in enumerate(out.prompt_logprobs[1:])])
     want = logp[np.arange(len(ours)), PROMPTS[1][1:]]
     assert np.abs(ours - want).max() > 1e-2, "the DoRA scale must change the output"
+
+
+def test_dora_on_an_int4_export_matches_peft_on_its_dequantized_weights(
+    tiny_llama_checkpoint, adapter_dirs, tmp_path
+):
+    """An int4 export (MatMulNBits, accuracy_level 0: float32 inputs): the scale comes from
+    the dequantized blocks, as PEFT's DoRA computes it on a quantized base
+    (dequantize_module_weight); PEFT runs on the export's own dequantized weights."""
+    from quant_cases import export_quantized, reference
+
+    out = export_quantized(tiny_llama_checkpoint, tmp_path / "int4", "int4", 0)
+    requests = [(p, name) for p in PROMPTS[:2] for name in ("dora_qv", "dora_all_rs", None)]
+    llm = LLM(out, num_pages=256, max_loras=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=2, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests],
+        params,
+        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
+    )
+    base = reference(tiny_llama_checkpoint, out)
+    models = {None: base}
+    models |= {n: peft.PeftModel.from_pretrained(_fresh(base), adapter_dirs[n]).eval()
+               for n in ("dora_qv", "dora_all_rs")}  # fmt: skip
+    for (prompt, name), got in zip(requests, outs):
+        logp, greedy = _oracle(models[name], prompt)
+        for pos, entry in enumerate(got.prompt_logprobs[1:]):
+            for token, lp in entry.items():
+                message = f"int4, adapter {name} pos {pos} token {token}"
+                np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
+        assert got.outputs[0].token_ids == greedy, f"int4, adapter {name}: greedy tokens differ"
