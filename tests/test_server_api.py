@@ -96,6 +96,18 @@ def test_completion_stream_matches_full(client, hf_tok):
     assert chunks[-1].usage.completion_tokens == 9 and not chunks[-1].choices
 
 
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options extension: every chunk carries the usage so far."""
+    stream = client.completions.create(
+        model="beta", prompt="count", max_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(chunks) > 1
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+
+
 def test_sampling_params_mapping(client, server):
     engine = server[1]
     client.completions.create(
@@ -308,3 +320,46 @@ def test_unreadable_adapter_template_falls_back_to_model(server, client, hf_tok)
     prompt = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert engine.prompts[-1] == hf_tok.encode(prompt, add_special_tokens=False)
     httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "odd"})
+
+
+HERMES_OUTPUT = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
+TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+
+
+@pytest.fixture()
+def hermes_client(smollm2_tokenizer_dir):  # noqa: F811
+    """A server with --tool-call-parser hermes whose fake model says HERMES_OUTPUT."""
+    tok = Tokenizer.from_model_dir(smollm2_tokenizer_dir)
+    engine = FakeEngine(tok)
+    engine.script = tok.encode(HERMES_OUTPUT, add_special_tokens=False)
+    with ServerThread(create_app(engine, tool_call_parser="hermes")) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_auto_tool_calls_read_by_the_hermes_parser(hermes_client):
+    """tool_choice "auto": the text before the first <tool_call> is the content, the calls
+    are read out of their tags, in order; streaming sends the same content as deltas (never a
+    piece of a tag) and the calls with the last delta."""
+    kw = dict(model="fake-base", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+              max_tokens=200)  # fmt: skip
+    choice = hermes_client.chat.completions.create(**kw).choices[0]
+    assert choice.message.content == "Let me check." and choice.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    chunks = [c for c in hermes_client.chat.completions.create(stream=True, **kw) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content.strip() == "Let me check." and "<" not in content
+    deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather"), (1, "get_time")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_parser_names_the_flag(client):
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as info:
+        client.chat.completions.create(
+            model="fake-base", messages=[{"role": "user", "content": "hi"}], tools=TOOLS
+        )
+    assert info.value.body["param"] == "tool_choice"

@@ -131,7 +131,7 @@ def test_malformed_json_400(server):
         (completion(top_p=1.5), "top_p"),
         (completion(n=0), "n"),
         (completion(n=100), "n"),
-        (completion(max_tokens=0), "max_tokens"),
+        (completion(max_tokens=-1), "max_tokens"),
         (completion(max_tokens="ten"), "max_tokens"),
         (completion(logprobs=21), "logprobs"),
         (completion(presence_penalty=3), "presence_penalty"),
@@ -150,8 +150,27 @@ def test_malformed_json_400(server):
         (chat(max_completion_tokens=-1), "max_completion_tokens"),
         (chat(top_logprobs=2), None),
         ({"model": "fake-base"}, "messages"),
+        (completion(logit_bias={"5": 101}), "logit_bias.5"),
+        (completion(logit_bias={"x": 1}), "logit_bias"),
+        (completion(prompt_logprobs=21), "prompt_logprobs"),
+        (completion(suffix="!"), "suffix"),
+        (completion(best_of=3), "best_of"),
+        (completion(frobnicate=1), "frobnicate"),
+        (chat(messages=[{"role": "user", "content": "x", "mood": 1}]), "messages.mood"),
+        (chat(response_format={"type": "xml"}), "response_format.type"),
+        (chat(response_format={"type": "json_schema"}), "response_format"),
+        (chat(tools=[{"type": "function", "function": {"description": "x"}}]),
+         "tools.0.function.name"),
+        (chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+         "tools.0.function.name"),
+        (chat(tool_choice="required"), "tool_choice"),
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
+            "type": "function", "function": {"name": "g"}}), "tool_choice"),
+        (chat(guided_json={"type": "object"}, guided_regex="a+"), "guided_regex"),
+        (chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
     ],
-)
+)  # fmt: skip
 def test_out_of_range_or_malformed_400(server, body, param):
     path = "/v1/completions" if "prompt" in body or param == "prompt" else "/v1/chat/completions"
     error = check_error(post(server, path, body), 400)
@@ -218,9 +237,13 @@ def test_reserved_chat_template_kwargs_refused(server, name):
     check_error(post(server, "/v1/chat/completions", body), 400, name)
 
 
-def test_echo_with_logprobs_400(server):
-    body = completion(echo=True, logprobs=2)
-    check_error(post(server, "/v1/completions", body), 400, "echo", param="echo")
+def test_unknown_fields_allowed_by_flag(tokenizer):
+    app = create_app(FakeEngine(tokenizer), allow_unknown_fields=True)
+    with ServerThread(app) as url:
+        r = post((url,), "/v1/completions", completion(frobnicate=1), headers={})
+        assert r.status_code == 200, r.text
+        r = post((url,), "/v1/completions", completion(suffix="!"), headers={})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
 # -- 503 -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A fake AsyncEngine for server tests that need no model (no tests in this module).
 
 It implements the AsyncEngine interface the server programs against. Its "model" is a known
-function of the prompt (`fake_token`), so tests can compute what the server must return, and
+function of the prompt (`fake_token`), so tests can compute what the server must return, or
+a script of token ids (`FakeEngine.script`: every choice says exactly that, then stops), and
 it records what the server asked of it (prompts, params, aborts).
 """
 
@@ -67,6 +68,7 @@ class FakeEngine:
         self.started = self.stopped = False
         self.error: BaseException | None = None  # set: the engine loop died
         self.counters = {"loads": 0}
+        self.script: list[int] | None = None  # set: every output is these tokens, then "stop"
 
     async def start(self):
         self.started = True
@@ -132,7 +134,10 @@ class FakeEngine:
             if request_id in self.aborted:
                 return
             for c in choices:
-                c.step(fake_token(ids, i, c.index, lora_id), i + 1 == params.max_tokens)
+                if self.script is None:
+                    c.step(fake_token(ids, i, c.index, lora_id), i + 1 == params.max_tokens)
+                else:
+                    c.step(self.script[i], i + 1 == params.max_tokens, i + 1 == len(self.script))
             done = all(c.out.finish_reason for c in choices)
             yield RequestOutput(
                 request_id, None, ids, None, [c.snapshot() for c in choices], done, lora
@@ -149,7 +154,7 @@ class _Choice:
         logprobs = [] if params.logprobs is not None else None
         self.out = CompletionOutput(index, "", [], None, logprobs)
 
-    def step(self, token: int, last: bool) -> None:
+    def step(self, token: int, last: bool, end: bool = False) -> None:
         if self.out.finish_reason:
             return
         self.out.token_ids.append(token)
@@ -160,6 +165,9 @@ class _Choice:
             self.out.finish_reason, self.out.stop_reason = "stop", self.detok.stopped
         elif token in self.params.stop_token_ids:
             self.out.finish_reason, self.out.stop_reason = "stop", token
+        elif end:
+            self.out.text += self.detok.finish()
+            self.out.finish_reason = "stop"
         elif last:
             self.out.text += self.detok.finish()
             self.out.finish_reason = "length"

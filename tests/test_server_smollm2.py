@@ -12,32 +12,9 @@ import asyncio
 import openai
 import pytest
 
-from ort_lora.lora_request import LoRARequest
-from ort_lora.server import create_app
-from ort_lora.server.default_model import demo_adapters
-from ort_lora.server.testing import ServerThread
-
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 24
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def adapters() -> dict:
-    found = demo_adapters()
-    assert found, "no demo adapters committed under ort_lora/demo/adapters"
-    return found
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_export, adapters):
-    from ort_lora.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine.from_model_dir(smollm2_export, max_loras=len(adapters), max_num_seqs=32)
-    for i, (name, path) in enumerate(adapters.items(), start=1):
-        engine.add_lora(LoRARequest(name, i, str(path)))
-    with ServerThread(create_app(engine)) as url:
-        yield url, engine
 
 
 def _jobs(adapters) -> list[tuple[str, str]]:
@@ -69,17 +46,18 @@ async def _run(url: str, jobs, concurrent: bool) -> list[str]:
     return [await _chat(client, m, p) for m, p in jobs]
 
 
-def test_models_list_demo_adapters(server, adapters):
-    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+def test_models_list_demo_adapters(smollm2_server, demo_adapters):
+    url, engine = smollm2_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     cards = {m.id: m for m in client.models.list().data}
-    assert set(adapters) <= set(cards)
-    assert all(cards[a].parent == server[1].model_name for a in adapters)
+    assert set(demo_adapters) <= set(cards)
+    assert all(cards[a].parent == engine.model_name for a in demo_adapters)
 
 
-def test_mixed_24_concurrent_same_success_as_alone(server, adapters):
+def test_mixed_24_concurrent_same_success_as_alone(smollm2_server, demo_adapters):
     from ort_lora.demo.tasks import TASKS
 
-    url = server[0]
+    url, adapters = smollm2_server[0], demo_adapters
     jobs = _jobs(adapters)
     mixed = asyncio.run(_run(url, jobs, concurrent=True))
     report = []
@@ -98,7 +76,7 @@ def test_mixed_24_concurrent_same_success_as_alone(server, adapters):
 
 
 def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
-    smollm2_export, adapters, tmp_path
+    smollm2_export, demo_adapters, tmp_path
 ):
     """`ort-lora serve` with no MODEL_DIR: the cached default export (here: the fixture's,
     linked into a fresh ORT_LORA_CACHE) plus every demo adapter."""
@@ -112,9 +90,9 @@ def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
     env = {"ORT_LORA_CACHE": str(tmp_path)}
     with ServeProcess(["--log-level", "warning"], env=env) as url:
         cards = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
-        assert set(cards) == {DEFAULT_MODEL_NAME, *adapters}
-        assert all(cards[a]["parent"] == DEFAULT_MODEL_NAME for a in adapters)
-        name = sorted(adapters)[0]
+        assert set(cards) == {DEFAULT_MODEL_NAME, *demo_adapters}
+        assert all(cards[a]["parent"] == DEFAULT_MODEL_NAME for a in demo_adapters)
+        name = sorted(demo_adapters)[0]
         body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

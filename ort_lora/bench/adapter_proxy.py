@@ -3,8 +3,8 @@
 guidellm sends every request with one `model`; S-LoRA's trace draws each request's adapter
 uniformly at random. The proxy sits between them: each JSON POST body's `model` becomes the
 next draw from a seeded uniform choice over `names`, and vLLM's `stream_options.
-continuous_usage_stats` extension is dropped (ort-lora serve refuses unknown fields; both
-servers then get the same OpenAI request, usage once at the end); everything else passes
+continuous_usage_stats` extension is dropped (both servers then get the same OpenAI request,
+usage once at the end, as OpenAI's own clients ask for it); everything else passes
 through byte for byte (SSE streams included). One upstream connection per request
 (`Connection: close`), so a response ends when the server closes it.
 

@@ -78,6 +78,10 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
     if scale:
         title = "bigger model: output tokens/s"
         pngs.append(plots.bar_plot(scale, "output_tok_s", title, "tok/s", out / "scale.png"))
+    grammar = report.rows_of(results, "grammar")
+    if grammar:
+        title = "structured outputs: step time by phase"
+        pngs.append(plots.step_phases_plot(grammar, title, out / "grammar_steps.png"))
     return pngs
 
 
@@ -114,11 +118,15 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         "registered",
         "prefill",
         "scale",
+        "grammar",
     ]
     for exp in experiments:
         rows = report.rows_of(results, exp)
         if rows:
             lines += [f"## {exp}", "", report.table(rows), ""]
+        if rows and exp == "grammar":
+            lines += ["Step time at the most sequences, by engine phase:", ""]
+            lines += [report.phases_table(rows), ""]
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,8 @@ registered  ort-lora as the number of registered adapters grows
 prefill     ort-lora base-only prefill (1 output token), with the machine's sgemm rate
 scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
             uniform and base, and vLLM mixed, on a shorter decode-heavy shape
+grammar     ort-lora with every request's output under a JSON schema of its own, next to
+            the same requests unconstrained (the cost of grammar masking per step)
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ SYSTEM_ROWS = (
 GENAI_SYSTEMS = ("genai", "genai-multilora")
 # systems that run from a venv of their own (peers.py): system -> peer
 PEER_SYSTEMS = {"vllm": "vllm", "vllm-http": "vllm"}
-EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill", "scale")
+EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill", "scale", "grammar")
+# rows of the grammar experiment: every output under its own JSON schema, and unconstrained
+GRAMMAR_ROWS = ("ort-lora json_schema", "ort-lora unconstrained")
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -100,6 +104,12 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
     w = W.popularity_workload("base", n, plen_prefill, 1, vocab_size, 0, seed)
     runs.append(_run("ort-lora", "ort-lora base prefill", "prefill", w, sgemm=True))
     runs += _scale_runs(scale, vocab_size, seed)
+    plen, new = next(iter(scale.shapes.values()))
+    constrained = W.json_schema_workload(n, plen, new, vocab_size, a, seed)
+    free = W.popularity_workload("uniform", n, plen, new, vocab_size, a, seed)
+    for k in range(2):  # alternated: a shared machine's load changes during a run
+        runs.append(_run("ort-lora", GRAMMAR_ROWS[0], "grammar", constrained, repeat=k))
+        runs.append(_run("ort-lora", GRAMMAR_ROWS[1], "grammar", free, repeat=k))
     return [r for r in runs if r["system"] in systems]
 
 

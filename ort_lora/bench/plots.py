@@ -62,3 +62,25 @@ def latency_plot(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def step_phases_plot(rows: list[dict], title: str, path: Path) -> Path:
+    """Mean step time at the run's most sequences, stacked by engine phase (engine/timing.py:
+    "run" is ONNX Runtime's), one bar per run."""
+    plt = _plt()
+    ok = [r for r in rows if "error" not in r and "host_ms" in r.get("extra", {})]
+    phases = sorted({k for r in ok for k in r["extra"]["host_ms"]}, key=lambda k: k != "run")
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(ok) + 3), 4))
+    bottom = [0.0] * len(ok)
+    for phase in phases:
+        vals = [r["extra"]["host_ms"].get(phase, 0.0) for r in ok]
+        ax.bar(range(len(ok)), vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(ok)), [r["label"] for r in ok], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -101,7 +101,46 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if mixed is not None and "host_share_at_max_seqs" in mixed["extra"]:
         share = mixed["extra"]["host_share_at_max_seqs"]
         out.append(("host share of a step at max seqs (<=)", share, None, 0.10))
-    return out
+    return out + _grammar(results)
+
+
+def _grammar(results: list[dict]) -> list[tuple]:
+    """Issue 12: the cost of grammar masking with every running sequence under its own JSON
+    schema, as a share of the constrained step: the step time added over the same requests
+    unconstrained, and the masks' wait that the model's run did not hide. Each from the
+    fastest of its runs (the least disturbed on a shared machine)."""
+    from ort_lora.bench.plan import GRAMMAR_ROWS
+
+    best = {}
+    for label in GRAMMAR_ROWS:
+        runs = [r for r in rows_of(results, "grammar") if r["label"] == label and "error" not in r]
+        runs = [r for r in runs if "step_ms_at_max_seqs" in r["extra"]]
+        if runs:
+            best[label] = min(runs, key=lambda r: r["extra"]["step_ms_at_max_seqs"])["extra"]
+    if len(best) < 2:
+        return []
+    ours, free = best[GRAMMAR_ROWS[0]], best[GRAMMAR_ROWS[1]]
+    n, step = ours["max_seqs"], ours["step_ms_at_max_seqs"]
+    added = (step - free["step_ms_at_max_seqs"]) / step
+    wait = ours["host_ms"].get("grammar", 0.0) / step
+    return [
+        (f"grammar masking at {n} seqs: step time added / step (<=)", added, None, 0.10),
+        (f"grammar masking at {n} seqs: unhidden mask time / step (<=)", wait, None, 0.10),
+    ]
+
+
+def phases_table(rows: list[dict]) -> str:
+    """Mean milliseconds per step at each run's most sequences, by engine phase."""
+    ok = [r for r in rows if "error" not in r and "host_ms" in r.get("extra", {})]
+    phases = sorted({k for r in ok for k in r["extra"]["host_ms"]}, key=lambda k: k != "run")
+    head = ["system", "seqs", "step ms", *[f"{p} ms" for p in phases]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in ok:
+        e = r["extra"]
+        cells = [f"{e['host_ms'].get(p, 0.0):.2f}" for p in phases]
+        lines.append(f"| {r['label']} | {e['max_seqs']} | {e['step_ms_at_max_seqs']:.2f} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _scale_and_memory(results: list[dict]) -> list[tuple]:

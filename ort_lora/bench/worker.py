@@ -28,7 +28,7 @@ def run_spec(spec: RunSpec) -> dict:
     runner = importlib.import_module(RUNNERS[spec.system])
     load_start = os.getloadavg()
     times, extra = runner.run(spec, workload)
-    row = summarize(times, workload.output_tokens)
+    row = summarize(times, workload.expected_tokens)
     row["loadavg_start"], row["loadavg_end"] = load_start, os.getloadavg()
     row["peak_rss_mb"] = extra.pop("server_peak_rss_mb", None) or peak_rss_mb()
     # CPU seconds of the system during the measured part: robust to other jobs on the machine

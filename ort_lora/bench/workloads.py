@@ -11,11 +11,13 @@ times (rate, coefficient of variation), adapter chosen uniformly at random, prom
 lengths drawn uniformly from ranges.
 Prompts are random token ids from the upper part of the vocabulary (no special tokens), and
 every request generates exactly max_tokens tokens (EOS ignored) so systems do the same work.
+Structured outputs (issue 12): each request's output follows a JSON schema of its own
+(`json_schema_workload`); it ends when the schema's object is complete or at max_tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -31,6 +33,7 @@ class BenchRequest:
     max_tokens: int
     adapter: int | None
     arrival_s: float = 0.0
+    schema: dict | None = None  # a JSON schema the output must follow
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,14 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
+    @property
+    def expected_tokens(self) -> int | tuple[int, int]:
+        """What a run must produce: every max_tokens, or, where outputs end with their
+        grammar, at least one token per request and at most every max_tokens."""
+        if any(r.schema is not None for r in self.requests):
+            return len(self.requests), self.output_tokens
+        return self.output_tokens
+
     def to_json(self) -> dict:
         return {
             "name": self.name,
@@ -55,7 +66,13 @@ class Workload:
     @staticmethod
     def from_json(d: dict) -> Workload:
         reqs = tuple(
-            BenchRequest(tuple(r["prompt_ids"]), r["max_tokens"], r["adapter"], r["arrival_s"])
+            BenchRequest(
+                tuple(r["prompt_ids"]),
+                r["max_tokens"],
+                r["adapter"],
+                r["arrival_s"],
+                r.get("schema"),
+            )
             for r in d["requests"]
         )
         return Workload(d["name"], reqs, d["num_adapters"])
@@ -148,3 +165,31 @@ def registered_workload(
         for _ in range(n)
     )
     return Workload(f"registered-{num_registered}", reqs, num_registered)
+
+
+def request_schema(i: int) -> dict:
+    """Request i's own JSON schema: five required fields whose names carry i (so every
+    request compiles a grammar of its own), strings and arrays bounded. Its keys and
+    punctuation are forced tokens, so an output is at least about 40 tokens long."""
+    return {
+        "type": "object",
+        "properties": {
+            f"title_{i}": {"type": "string", "maxLength": 12},
+            f"count_{i}": {"type": "integer", "minimum": 0, "maximum": 999},
+            f"tags_{i}": {"type": "array", "items": {"enum": [f"a{i}", f"b{i}", f"c{i}"]},
+                          "minItems": 2, "maxItems": 4},
+            f"flag_{i}": {"type": "boolean"},
+            f"note_{i}": {"type": "string", "maxLength": 16},
+        },
+        "required": [f"title_{i}", f"count_{i}", f"tags_{i}", f"flag_{i}", f"note_{i}"],
+        "additionalProperties": False,
+    }  # fmt: skip
+
+
+def json_schema_workload(
+    n: int, prompt_len: int, max_tokens: int, vocab_size: int, num_adapters: int, seed: int = 0
+) -> Workload:
+    """The uniform pattern's requests, request i's output constrained by request_schema(i)."""
+    w = popularity_workload("uniform", n, prompt_len, max_tokens, vocab_size, num_adapters, seed)
+    reqs = tuple(replace(r, schema=request_schema(i)) for i, r in enumerate(w.requests))
+    return Workload(f"json-schema-{prompt_len}+{max_tokens}", reqs, w.num_adapters)

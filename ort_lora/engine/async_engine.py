@@ -216,6 +216,9 @@ class AsyncEngine:
         self._streams[rid] = stream
         finished = False
         try:
+            if params.structured_outputs is not None:  # compiled here, not on the engine's thread
+                grammars = self.engine.grammars
+                await asyncio.to_thread(grammars.compile, params.structured_outputs)
             add = self.engine.add_request
             await self._call(lambda: add(rid, prompt, params, lora_request, register=False))
             while not finished:

@@ -14,6 +14,7 @@ from ort_lora.adapters import AdapterError, AdapterRegistry
 from ort_lora.adapters.host import HostAdapter
 from ort_lora.config import EngineConfig, fit_context
 from ort_lora.contract import ModelManifest
+from ort_lora.engine.grammar import Grammars
 from ort_lora.engine.model_runner import ModelRunner
 from ort_lora.engine.pool import PagePool
 from ort_lora.engine.request import (
@@ -23,15 +24,16 @@ from ort_lora.engine.request import (
     RequestTracker,
     check_request,
     completion_id,
+    decorated,
 )
-from ort_lora.engine.sampler import prompt_logprobs, sample
+from ort_lora.engine.sampler import sample
 from ort_lora.engine.scheduler import Scheduler
 from ort_lora.engine.sequence import Sequence
 from ort_lora.engine.stats import engine_stats
 from ort_lora.engine.step_plan import ScheduledSeq, StepPlan
 from ort_lora.engine.timing import StepTimes
 from ort_lora.lora_request import LoRARequest
-from ort_lora.outputs import PositionLogprobs, RequestOutput
+from ort_lora.outputs import RequestOutput
 from ort_lora.runtime.session import ModelSession
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.tokenizer import Tokenizer
@@ -74,6 +76,9 @@ class LLMEngine:
         self.eos_token_ids = list(self.manifest.eos_token_ids)
         self.rng = np.random.default_rng(seed)
         self.times = StepTimes()  # of the last step
+        self.grammars = Grammars(
+            self.tokenizer.backend.to_str, self.manifest.vocab_size, self.eos_token_ids
+        )
         self.step_failures = 0  # consecutive steps whose model run (or bookkeeping) failed
 
     # ---- adapters ---------------------------------------------------------------------------
@@ -117,7 +122,10 @@ class LLMEngine:
             Sequence(completion_id(request_id, i), ids, max_tokens, aid, pages, params, lp)
             for i, lp in enumerate([prompt_lp] + [False] * (params.n - 1))
         ]
-        state = RequestState.create(request_id, text, ids, params, lora, seqs, self.tokenizer)
+        grammar = self.grammars.constraints_for(params.structured_outputs)
+        state = RequestState.create(
+            request_id, text, ids, params, lora, seqs, self.tokenizer, grammar
+        )
         self.tracker.add(state)
         return state
 
@@ -143,8 +151,9 @@ class LLMEngine:
         try:
             if plan.is_empty or not self._load_adapters(plan):
                 return []
+            masks = self._start_masks(plan)  # grammar masks fill while ORT runs the graph
             logits = self.runner.run(plan, self.times)  # [plan.num_logit_rows, vocab]
-            sampled = self._sample(plan, logits)
+            sampled = self._sample(plan, logits, masks)
             return self._postprocess(plan, logits, sampled)
         except Exception as exc:  # in the step itself: every request of the plan fails
             return self._fail_step(plan, exc)
@@ -170,12 +179,27 @@ class LLMEngine:
                 self.pool.drop_adapter(aid)  # resident without its weights
         return not failed
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray) -> dict[str, tuple]:
+    def _start_masks(self, plan: StepPlan):
+        """Grammar masks of the plan's constrained sampled rows (engine/grammar.py)."""
+        with self.times.phase("grammar"):
+            owners = [
+                (e.completion_id, self.tracker.owner(e.completion_id)[1])
+                for e in plan.entries
+                if e.sample
+            ]
+            constraints = {cid: c.constraint for cid, c in owners if c.constraint}
+            return self.grammars.start_masks(constraints)
+
+    def _sample(self, plan: StepPlan, logits: np.ndarray, masks=None) -> dict[str, tuple]:
         """{completion id: (token, logprobs entry, raw logprob)} of the plan's sampled rows.
         Should the batch fail, each row is sampled alone and only the faulty requests fail."""
         with self.times.phase("sample"):
             entries = [e for e in plan.entries if e.sample]
             rows = [self.tracker.owner(e.completion_id)[1].sample_row() for e in entries]
+        if masks is not None:
+            with self.times.phase("grammar"):  # the wait for the masks, and setting them
+                masks.apply([e.completion_id for e in entries], rows)
+        with self.times.phase("sample"):
             try:
                 out = sample(_rows(logits, [e.sample_row for e in entries]), rows, self.rng)
                 return {e.completion_id: out.row(i) for i, e in enumerate(entries)}
@@ -218,14 +242,17 @@ class LLMEngine:
     def _add_results(self, e: ScheduledSeq, c, logits, sampled, tokens, stopped) -> None:
         """The entry's prompt logprobs, then its sampled token (with logprobs) through the
         stop rules: into `tokens` and, if it ends the completion, `stopped`."""
-        state = self.tracker.owner(e.completion_id)[0]
         if e.num_prompt_logit_rows:
-            self._add_prompt_logprobs(state, e, logits)
+            rows = logits[e.logits_offset : e.logits_offset + e.num_prompt_logit_rows]  # [k, V]
+            positions = [e.start_pos + r for r in e.logit_rows[: e.num_prompt_logit_rows]]
+            self.tracker.owner(e.completion_id)[0].add_prompt_logprobs(
+                rows, positions, self.tokenizer
+            )
         if not e.sample:
             return
         token, lp, sampled_lp = sampled[e.completion_id]
         if c.logprobs is not None:
-            c.logprobs.append(self._decorate(lp))
+            c.logprobs.append(decorated(lp, self.tokenizer))
             c.cumulative_logprob += sampled_lp
         reason = c.add_token(token, self.eos_token_ids)
         tokens[e.completion_id] = token
@@ -243,18 +270,6 @@ class LLMEngine:
     @property
     def healthy(self) -> bool:
         return self.step_failures < MAX_STEP_FAILURES
-
-    def _add_prompt_logprobs(self, state: RequestState, e: ScheduledSeq, logits) -> None:
-        rows = logits[e.logits_offset : e.logits_offset + e.num_prompt_logit_rows]  # [k, V]
-        positions = [e.start_pos + r for r in e.logit_rows[: e.num_prompt_logit_rows]]
-        nxt = [state.prompt_token_ids[p + 1] for p in positions]
-        lps = prompt_logprobs(rows, nxt, state.params.prompt_logprobs)
-        state.prompt_logprobs.extend(self._decorate(lp) for lp in lps)
-
-    def _decorate(self, lp: PositionLogprobs) -> PositionLogprobs:
-        for token, entry in lp.items():
-            entry.decoded_token = self.tokenizer.token_text(token)
-        return lp
 
     def close(self) -> None:
         """Release the model session (on CUDA: the device pool, streams and staging too)."""

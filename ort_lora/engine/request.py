@@ -18,7 +18,8 @@ import numpy as np
 
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.registry import AdapterRegistry
-from ort_lora.engine.sampler import SampleRow, make_generator
+from ort_lora.engine.grammar import Constraint
+from ort_lora.engine.sampler import SampleRow, make_generator, prompt_logprobs
 from ort_lora.engine.scheduler import Scheduler
 from ort_lora.engine.sequence import Sequence as Seq
 from ort_lora.errors import RequestError, internal_error
@@ -32,6 +33,13 @@ NOT_STOPPED = object()  # Completion.add_token: the new token does not end the c
 
 def completion_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
+
+
+def decorated(lp: PositionLogprobs, tokenizer) -> PositionLogprobs:
+    """The entry with each token's text (decoded_token) filled in."""
+    for token, entry in lp.items():
+        entry.decoded_token = tokenizer.token_text(token)
+    return lp
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,13 @@ def check_request(
             "Please reduce the prompt or max_tokens.",
             "max_tokens",
         )
+    beyond = [t for t in params.logit_bias or () if t >= limits.vocab_size]
+    if beyond:
+        raise RequestError(
+            f"logit_bias token ids {beyond[:5]} are outside the vocabulary "
+            f"[0, {limits.vocab_size})",
+            "logit_bias",
+        )
     max_tokens = limit - n if asked is None else asked
     kv_pages = -(-(n + max_tokens) // limits.block_size)
     if kv_pages + adapter_pages > limits.num_pages:
@@ -87,6 +102,8 @@ class Completion:
     generator: np.random.Generator | None
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
+    constraint: Constraint | None = None  # its structured output's grammar state
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (token ids, biases)
 
     @property
     def finish_reason(self) -> str | None:
@@ -94,21 +111,28 @@ class Completion:
 
     def add_token(self, token: int, eos_token_ids: Sequence[int]):
         """Detokenize the sampled token and apply the stop rules: a stop string (found and cut
-        by the detokenizer), EOS (unless ignore_eos), a stop token id. Returns the stop
-        reason (the string, the token id, None for EOS) or NOT_STOPPED. Length limits are
-        the scheduler's."""
+        by the detokenizer), EOS (unless ignore_eos), a stop token id, the end of its grammar.
+        Returns the stop reason (the string, the token id, None for EOS or a complete
+        grammar) or NOT_STOPPED. Length limits are the scheduler's."""
         params = self.seq.sampling_params
         self.detok.add(token)
+        grammar_done = self.constraint is not None and self.constraint.advance(token)
         if self.detok.stopped is not None:
             return self.detok.stopped
         if not params.ignore_eos and token in eos_token_ids:
             return None
-        return token if token in params.stop_token_ids else NOT_STOPPED
+        if token in params.stop_token_ids:
+            return token
+        return None if grammar_done else NOT_STOPPED
 
     def sample_row(self) -> SampleRow:
         seq = self.seq
         return SampleRow(
-            seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator
+            seq.sampling_params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            self.generator,
+            self.bias,
         )
 
     def output(self) -> CompletionOutput:
@@ -134,8 +158,16 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @classmethod
-    def create(cls, request_id, prompt, prompt_ids, params, lora_request, seqs, tokenizer):
+    def create(
+        cls, request_id, prompt, prompt_ids, params, lora_request, seqs, tokenizer, grammar=None
+    ):
+        """The request's state; `grammar` (engine/grammar.py: Grammars.constraint) makes a
+        grammar constraint for each completion."""
         state = cls(request_id, prompt, list(prompt_ids), params, lora_request)
+        bias = None
+        if params.logit_bias:
+            ids = np.fromiter(params.logit_bias, np.int64)
+            bias = ids, np.fromiter(params.logit_bias.values(), np.float32)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         want_lp = params.logprobs is not None
@@ -148,14 +180,24 @@ class RequestState:
                 prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
             )
             lp = [] if want_lp else None
-            state.completions.append(Completion(i, seq, detok, gen, lp, 0.0 if want_lp else None))
+            constraint = grammar() if grammar is not None else None
+            state.completions.append(
+                Completion(i, seq, detok, gen, lp, 0.0 if want_lp else None, constraint, bias)
+            )
         return state
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
+
+    def add_prompt_logprobs(self, logits: np.ndarray, positions: list[int], tokenizer) -> None:
+        """Logprobs of the prompt tokens after `positions` from their logits rows [k, V]."""
+        nxt = [self.prompt_token_ids[p + 1] for p in positions]
+        lps = prompt_logprobs(logits, nxt, self.params.prompt_logprobs)
+        self.prompt_logprobs.extend(decorated(lp, tokenizer) for lp in lps)
 
     def output(self) -> RequestOutput:
         outputs = [c.output() for c in self.completions]

@@ -3,6 +3,8 @@
 Per row, in this order (vLLM v1's):
   1. penalties on the raw logits: repetition (prompt + output tokens: positive logits divided,
      negative multiplied), then frequency (x count in the output), then presence (output)
+  1b. the request's logit_bias is added; tokens its grammar forbids (structured outputs,
+     engine/grammar.py) get -inf
   2. greedy rows (temperature < 1e-5): argmax of the penalized logits
   3. other rows: / temperature -> min_p (drop p < min_p * p_max) -> top_k (keep logits >= the
      k-th largest) -> top_p (keep the smallest most-likely set whose mass reaches top_p) ->
@@ -34,6 +36,8 @@ class SampleRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: np.random.Generator | None = None
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # (token ids, biases) of logit_bias
+    allowed: np.ndarray | None = None  # bool [V]: what the grammar allows next; None = all
 
 
 @dataclass
@@ -59,7 +63,7 @@ def sample(
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab], got shape {list(logits.shape)}")
     raw = np.asarray(logits, dtype=np.float32)  # [B, V]
-    x = apply_penalties(raw, rows)  # [B, V]
+    x = apply_constraints(apply_penalties(raw, rows), raw, rows)  # [B, V]
     tokens = np.empty(len(rows), np.int64)
     greedy = np.array([r.params.is_greedy for r in rows], bool)
     if greedy.all():  # the common case: no copy of the [B, V] logits
@@ -91,13 +95,30 @@ def apply_penalties(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray
     freq = np.array([rows[i].params.frequency_penalty for i in idx], np.float64)[:, None]
     pres = np.array([rows[i].params.presence_penalty for i in idx], np.float64)[:, None]
     x = out[idx].astype(np.float64)  # [k, V]
-    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    with np.errstate(over="ignore"):  # x * 1e300 may reach inf: clipped below
+        x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
     x -= freq * counts + pres * (counts > 0)
     out[idx] = np.clip(x, -_F32_MAX, _F32_MAX)  # back in float32 range: no inf, no NaN later
     return out
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+def apply_constraints(x: np.ndarray, raw: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray:
+    """logit_bias added, tokens the grammar forbids at -inf: in a copy when x is still the raw
+    logits (they give the logprobs), in place otherwise; x itself when no row has either."""
+    idx = [i for i, r in enumerate(rows) if r.bias is not None or r.allowed is not None]
+    if not idx:
+        return x
+    out = x.copy() if x is raw else x
+    for i in idx:
+        if rows[i].bias is not None:
+            ids, values = rows[i].bias
+            out[i, ids] += values
+        if rows[i].allowed is not None:
+            out[i, ~rows[i].allowed] = -np.inf
+    return out
 
 
 def _bincount(token_ids: Sequence[int], vocab: int) -> np.ndarray:

@@ -11,7 +11,9 @@ RUN = "run"  # ONNX Runtime's run; every other phase is host work
 
 @dataclass
 class StepTimes:
-    """Seconds per phase of one step (schedule, load, inputs, run, sample, postprocess)."""
+    """Seconds per phase of one step (schedule, load, inputs, grammar, run, sample,
+    postprocess); "grammar" is the part of structured outputs' mask work not hidden behind
+    the run."""
 
     phases: dict[str, float] = field(default_factory=dict)
     num_tokens: int = 0

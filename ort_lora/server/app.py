@@ -16,7 +16,9 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
 
+from ort_lora import __version__
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from ort_lora.adapters.registry import resolve_adapter_dir
 from ort_lora.lora_request import LoRARequest
@@ -25,7 +27,9 @@ from ort_lora.server.metrics import ServerMetrics
 from ort_lora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from ort_lora.server.serving import OpenAIServing
@@ -129,13 +133,20 @@ def create_app(
     model_root: str | None = None,
     manage_engine: bool = True,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
+    allow_unknown_fields: bool = False,
 ) -> FastAPI:
     """The HTTP app around `engine`. `adapter_root` enables runtime adapter loading (paths
     must resolve inside it); `api_key` protects every /v1 route; requests may bring their
-    own chat template only with `trust_request_chat_template`."""
+    own chat template only with `trust_request_chat_template`; `tool_call_parser` reads the
+    tool calls of tool_choice "auto" (server/structured.py); unknown request fields are 400s
+    unless `allow_unknown_fields`."""
     base_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.stats)
-    serving = OpenAIServing(engine, metrics, base_name, trust_request_chat_template)
+    serving = OpenAIServing(
+        engine, metrics, base_name, trust_request_chat_template, tool_call_parser,
+        allow_unknown_fields,
+    )  # fmt: skip
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -175,6 +186,28 @@ def create_app(
             cards.append(_model_card(lora.lora_name, lora.lora_path, base_name, max_len, created))
         return {"object": "list", "data": cards}
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+        serving.check_fields(body)
+        lora = await serving.resolve_model(body.model)
+        ids = await run_in_threadpool(serving.tokenize, body, lora)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": None}  # fmt: skip
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_fields(body)
+        await serving.resolve_model(body.model)
+        vocab = engine.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions", dependencies=auth, responses=_JSON_OR_SSE_200)
     async def completions(body: CompletionRequest, raw: Request):
         return await serving.completions(body, raw)
@@ -194,6 +227,7 @@ def create_app(
             responses=_TEXT_200,
         )
         def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            serving.check_fields(body)
             return PlainTextResponse(admin.load(body))
 
         @app.post(
@@ -203,6 +237,7 @@ def create_app(
             responses=_TEXT_200,
         )
         def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            serving.check_fields(body)
             return PlainTextResponse(admin.unload(body))
 
     @app.api_route(

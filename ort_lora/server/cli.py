@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ort_lora.lora_request import LoRARequest
 from ort_lora.runtime.cuda_pool import CudaError
+from ort_lora.server.structured import TOOL_PARSERS
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -68,9 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=int, help="pool size in pages")
-    pool.add_argument("--pool-memory-mb", type=int, help="pool size in MiB (default 512)")
+    pool.add_argument(
+        "--pool-memory-mb",
+        type=int,
+        help="pool size in MiB (default: 10%% of the host memory available at start, less the "
+        "weights, within [256, 4096]; cuda: 512)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_PARSERS),
+        help='read tool calls out of outputs for tool_choice "auto" (without one: a 400)',
+    )
+    p.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="ignore request fields the API does not define (default: a 400 naming them)",
+    )
     p.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -132,6 +148,8 @@ def build_app(args: argparse.Namespace):
         served_model_name=args.served_model_name,
         model_root=str(model_dir),
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        allow_unknown_fields=args.allow_unknown_fields,
     )
 
 

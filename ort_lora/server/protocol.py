@@ -5,7 +5,11 @@ Every field is bounded here, so that no value can reach the engine thread and fa
 integers to what the engine holds (int64; seeds 0 .. 2^64 - 1, as vLLM), floats finite,
 strings valid Unicode (no lone surrogates, anywhere in the body), sizes capped. Validation
 gives 400s that name the field; SamplingParams checks the same ranges again (the offline
-API's entry). Unknown fields are ignored, as OpenAI-compatible servers do.
+API's entry).
+
+Fields the OpenAI API or vLLM defines that ort-lora does not implement are refused with a 400
+naming them (UNSUPPORTED); unknown fields too (they land in `model_extra`: serving.py refuses
+them unless the server runs with --allow-unknown-fields).
 """
 
 from __future__ import annotations
@@ -26,6 +30,34 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 Int = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+# Fields of the OpenAI API / vLLM that ort-lora does not implement: any value but these is a
+# 400 naming the field (never silently dropped).
+UNSUPPORTED = {
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "functions": (None,),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+}
 
 
 def _lone_surrogate(value, path: str) -> str | None:
@@ -47,7 +79,7 @@ def _lone_surrogate(value, path: str) -> str | None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,6 +92,58 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
+
+
+class JsonSchemaFormat(_Request):
+    name: Name = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's structured_outputs (one of json, regex, choice, grammar, json_object)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(_Request):
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Name
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingFields(_Request):
@@ -83,6 +167,24 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    # structured outputs (OpenAI's response_format; vLLM's structured_outputs and guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value):
+        for key in value or {}:
+            if not key.isdigit() or int(key) > MAX_INT:
+                raise ValueError(f"keys must be token ids (digits), got {key[:20]!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -97,20 +199,29 @@ class _SamplingFields(_Request):
     def sampling_kwargs(self) -> dict:
         names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty")
         names += ("frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos")
-        names += ("stop_token_ids", "skip_special_tokens")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        names += ("stop_token_ids", "skip_special_tokens", "prompt_logprobs")
+        names += ("include_stop_str_in_output",)
+        kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
+        return kwargs
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions."""
+    """POST /v1/completions. max_tokens 0: nothing is generated (with echo: the prompt, and
+    with logprobs its tokens' logprobs, as lm-evaluation-harness asks)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT)
+    logprobs: TopLogprobs | None = None
     echo: bool = False
 
     @field_validator("prompt")
@@ -128,10 +239,12 @@ class CompletionRequest(_SamplingFields):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            **self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs
-        )
+    def sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
+        """echo with logprobs asks for the prompt's logprobs too (vLLM's rule)."""
+        kwargs = self.sampling_kwargs() | extra
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=self.logprobs)
 
 
 class TextPart(_Request):
@@ -139,39 +252,44 @@ class TextPart(_Request):
     text: str
 
 
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply to that call
 
     def as_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class _ChatRendering(_Request):
+    """How chat messages become a prompt (vLLM's extras; chat completions and /tokenize)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # vLLM extras
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -181,12 +299,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"{taken} are set by the server, not by chat_template_kwargs")
         return value
 
+
+class ChatCompletionRequest(_SamplingFields, _ChatRendering):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+        kwargs = self.sampling_kwargs() | extra
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -208,3 +345,25 @@ class UnloadLoRAAdapterRequest(_Request):
 
     lora_name: str = Field(min_length=1, max_length=128)
     lora_int_id: Int | None = None
+
+
+class TokenizeRequest(_ChatRendering):
+    """POST /tokenize (vLLM's body): a prompt, or chat messages rendered as a chat request's."""
+
+    model: str | None = Field(None, max_length=1024)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's body)."""
+
+    model: str | None = Field(None, max_length=1024)
+    tokens: TokenIds

@@ -55,15 +55,24 @@ def _token_text(position: dict, tid: int, decode: DecodeToken) -> str:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[dict], k: int, decode: DecodeToken, offset: int
+    token_ids: list[int], logprobs: list[dict | None], decode: DecodeToken, offset: int
 ) -> dict:
-    """OpenAI's legacy completions format; `offset`: text length before these tokens."""
+    """OpenAI's legacy completions format; `offset`: text length before these tokens. Each
+    position's top_logprobs holds every entry it has: the top-k and the sampled (or actual)
+    token, so logprobs=0 still shows the sampled token, as vLLM does. A None position (the
+    first prompt token of an echo: nothing predicts it) has null logprob and top_logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, position in zip(token_ids, logprobs, strict=False):
-        text = _token_text(position, tid, decode)
+        if position is None:
+            text = decode(tid)
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            text = _token_text(position, tid, decode)
+            token_lps.append(_lp(position[tid]) if tid in position else None)
+            ranked = _top(position, len(position))
+            tops.append({_token_text(position, t, decode): lp for t, lp in ranked})
         tokens.append(text)
-        token_lps.append(_lp(position[tid]) if tid in position else None)
-        tops.append({_token_text(position, t, decode): lp for t, lp in _top(position, k)})
         offsets.append(offset)
         offset += len(text)
     return {
@@ -72,6 +81,26 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(positions: list[dict | None] | None, decode: DecodeToken) -> list | None:
+    """vLLM's prompt_logprobs field: per prompt position None (the first) or
+    {"<token id>": {"logprob", "rank", "decoded_token"}}."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(tid): {
+                "logprob": _lp(v),
+                "rank": getattr(v, "rank", None),
+                "decoded_token": _token_text(position, tid, decode),
+            }
+            for tid, v in position.items()
+        }
+        for position in positions
+    ]
 
 
 def _chat_entry(text: str, logprob: float | None) -> dict:
@@ -92,14 +121,20 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, decode: De
 
 
 class ChoiceTracker:
-    """What of one choice has been sent already, so streaming sends only the new part."""
+    """What of one choice has been sent already, so streaming sends only the new part.
+
+    text_prefix / ids_prefix / lps_prefix: what an echo puts in front of the output (the
+    prompt's text, token ids and logprobs), sent with the first delta."""
 
     def __init__(self, index: int, text_prefix: str = ""):
         self.index = index
         self.sent_chars = 0
         self.sent_tokens = 0
         self.finished = False
-        self.text_prefix = text_prefix  # echo: the prompt, sent with the first delta
+        self.text_prefix = text_prefix
+        self.ids_prefix: list[int] = []
+        self.lps_prefix: list[dict | None] = []
+        self.call_id: str | None = None  # a named tool call being streamed
 
     def delta(self, out: CompletionOutput) -> tuple[str, list[int], list[dict] | None]:
         """New text, token ids and logprobs since the last call."""
@@ -108,6 +143,9 @@ class ChoiceTracker:
         lps = None if out.logprobs is None else list(out.logprobs[self.sent_tokens :])
         if self.text_prefix:
             text, self.text_prefix = self.text_prefix + text, ""
+        if self.ids_prefix:
+            ids, lps = self.ids_prefix + ids, self.lps_prefix + (lps or [])
+            self.ids_prefix, self.lps_prefix = [], []
         self.sent_chars, self.sent_tokens = len(out.text), len(out.token_ids)
         return text, ids, lps
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from ort_lora.lora_request import LoRARequest
@@ -25,7 +26,8 @@ from ort_lora.outputs import RequestOutput
 from ort_lora.server.errors import APIError, api_error, bad_request, model_not_found
 from ort_lora.server.formats import ChatFormat, CompletionFormat
 from ort_lora.server.metrics import RequestTimer, ServerMetrics
-from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
+from ort_lora.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from ort_lora.server.structured import OutputSpec, output_spec
 from ort_lora.tokenizer import ChatTemplateError, read_chat_template
 
 DISCONNECT_POLL_S = 0.25
@@ -59,11 +61,15 @@ class OpenAIServing:
         metrics: ServerMetrics,
         base_name: str,
         trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+        allow_unknown_fields: bool = False,
     ):
         self.engine = engine
         self.metrics = metrics
         self.base_name = base_name
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser
+        self.allow_unknown_fields = allow_unknown_fields
         self._templates: dict[str, str | None] = {}  # adapter path -> its own chat template
 
     # -- model and prompt resolution ------------------------------------------------------------
@@ -104,7 +110,9 @@ class OpenAIServing:
             raise api_error(exc, request_id) from exc
         return _Job(index, request_id, prompt_ids, first, agen, timer)
 
-    async def _open_all(self, raw, prompts, params, lora, request_id, model) -> list[_Job]:
+    async def _open_all(
+        self, raw, prompts, params, lora, request_id, model, spec: OutputSpec | None = None
+    ) -> list[_Job]:
         opens = [
             self._open(i, ids, p, lora, f"{request_id}-{i}", model)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -117,7 +125,11 @@ class OpenAIServing:
             for job in results:
                 if not isinstance(job, BaseException):
                     await _close(self.engine, job)
-            raise errors[0]
+            error = errors[0]
+            if isinstance(error, APIError) and error.param == "structured_outputs" and spec:
+                error.param = spec.param  # the field the constraint came from
+                error.message = error.message.replace("structured_outputs", spec.param, 1)
+            raise error
         return results
 
     def _aborter(self, request_id: str, prompts: list):
@@ -153,24 +165,42 @@ class OpenAIServing:
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", "echo")
+        self.check_fields(req)
         lora = await self.resolve_model(req.model)
         self._check_count(len(req.prompts()))
+        spec = output_spec(req)
         prompts = await run_in_threadpool(self._encode_all, req.prompts())
-        params = [_sampling(req, req.max_tokens) for _ in prompts]
+        # max_tokens 0 (an echo of the prompt alone): one token is made and not shown
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        params = [_sampling(req, max_tokens, spec) for _ in prompts]
         model = req.model or self.base_name
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        jobs = await self._open_all(raw, prompts, params, lora, request_id, model)
+        jobs = await self._open_all(raw, prompts, params, lora, request_id, model, spec)
+        texts = [p if isinstance(p, str) else None for p in req.prompts()]
         tok = self.engine.tokenizer
-        echo = [tok.decode(p) if req.echo else "" for p in prompts]
-        fmt = CompletionFormat(self, req, request_id, model, echo)
+        shown = [(t if t is not None else tok.decode(ids), ids) for t, ids in zip(texts, prompts)]
+        fmt = CompletionFormat(self, req, request_id, model, shown)
         if req.stream:
             return _sse_response(fmt.stream(jobs))
         finals = await _abort_on_disconnect(
             raw, asyncio.gather(*(self._collect(j) for j in jobs)), self._aborter(request_id, jobs)
         )
         return JSONResponse(fmt.full(jobs, finals))
+
+    def check_fields(self, req) -> None:
+        """400 naming a field the API defines that this server does not implement, or (unless
+        --allow-unknown-fields) a field it does not know: never silently dropped."""
+        for name, defaults in UNSUPPORTED.items():
+            value = (req.model_extra or {}).get(name)
+            if value is not None and value not in defaults:
+                raise bad_request(f"{name} is not supported by this server", name)
+        unknown = sorted(set(_unknown_fields(req)) - set(UNSUPPORTED))
+        if unknown and not self.allow_unknown_fields:
+            raise bad_request(
+                f"unknown fields {unknown}: not part of the API this server implements "
+                "(start it with --allow-unknown-fields to ignore them)",
+                unknown[0],
+            )
 
     def _check_count(self, num_prompts: int) -> None:
         """A prompt list the engine's queue could never hold is refused before any work."""
@@ -191,7 +221,27 @@ class OpenAIServing:
     # -- /v1/chat/completions -------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_fields(req)
         lora = await self.resolve_model(req.model)
+        spec = output_spec(req, self.tool_call_parser)
+        prompt = await run_in_threadpool(self.render, req, lora, spec.tools)
+        params = [_sampling(req, req.requested_max_tokens(), spec)]
+        model = req.model or self.base_name
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model, spec)
+        fmt = ChatFormat(self, req, request_id, model, spec)
+        if req.stream:
+            return _sse_response(fmt.stream(jobs))
+        final = await _abort_on_disconnect(
+            raw, self._collect(jobs[0]), self._aborter(request_id, jobs)
+        )
+        return JSONResponse(fmt.full(jobs[0], final))
+
+    def render(self, req, lora: LoRARequest | None, tools: list[dict]) -> list[int]:
+        """A chat request's prompt ids (chat completions, /tokenize): its messages and tools
+        rendered by the request's template (only with --trust-request-chat-template), else
+        the adapter's or the model's (bounded in time and size, chat_template.py), then
+        encoded. Runs on a worker thread."""
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise bad_request(
                 "chat_template in a request is refused: this server renders only the model's "
@@ -200,25 +250,9 @@ class OpenAIServing:
                 "chat_template",
             )
         template = req.chat_template or self.chat_template_for(lora)
-        prompt = await run_in_threadpool(self._render, req, template)
-        params = [_sampling(req, req.requested_max_tokens())]
-        model = req.model or self.base_name
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model)
-        fmt = ChatFormat(self, req, request_id, model)
-        if req.stream:
-            return _sse_response(fmt.stream(jobs))
-        final = await _abort_on_disconnect(
-            raw, self._collect(jobs[0]), self._aborter(request_id, jobs)
-        )
-        return JSONResponse(fmt.full(jobs[0], final))
-
-    def _render(self, req: ChatCompletionRequest, template: str | None) -> list[int]:
-        """The chat prompt's token ids: the template rendered (bounded in time and size,
-        tokenizer.py) and encoded, on a worker thread."""
         tok = self.engine.tokenizer
         messages = [m.as_template_dict() for m in req.messages]
-        kwargs = req.chat_template_kwargs or {}
+        kwargs = (req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
         try:
             text = tok.apply_chat_template(messages, req.add_generation_prompt, template, **kwargs)
         except ChatTemplateError as exc:
@@ -226,17 +260,36 @@ class OpenAIServing:
             raise bad_request(str(exc), param) from exc
         return tok.encode(text, add_special_tokens=False)
 
+    def tokenize(self, body, lora: LoRARequest | None) -> list[int]:
+        """/tokenize's ids: the prompt, or the messages as a chat request would render them."""
+        if body.prompt is not None:
+            return self.engine.tokenizer.encode(body.prompt, body.add_special_tokens)
+        return self.render(body, lora, [t.model_dump(exclude_none=True) for t in body.tools or []])
+
     def decode_token(self, tid: int) -> str:
         return self.engine.tokenizer.token_text(tid)
 
 
-def _sampling(req, max_tokens: int | None):
-    """The request's SamplingParams (max_tokens None: what the context leaves); their
-    validation errors are 400s. The engine checks the prompt and the lengths."""
+def _sampling(req, max_tokens: int | None, spec: OutputSpec):
+    """The request's SamplingParams (max_tokens None: what the context leaves) with its
+    output constraint; their validation errors are 400s naming the field. The engine checks
+    the prompt, the lengths and the constraint itself."""
     try:
-        return req.sampling_params(max_tokens)
+        return req.sampling_params(max_tokens, structured_outputs=spec.structured)
     except ValueError as exc:
-        raise bad_request(str(exc)) from exc
+        raise bad_request(str(exc), getattr(exc, "param", None)) from exc
+
+
+def _unknown_fields(model, path: str = "") -> list[str]:
+    """Dotted paths of the fields a request body has that its models do not declare."""
+    out = [f"{path}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, BaseModel):
+                out += _unknown_fields(v, f"{path}{name}.")
+    return out
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:

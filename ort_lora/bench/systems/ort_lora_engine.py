@@ -78,7 +78,7 @@ def _warm_up(engine, lora) -> None:
 
 
 def _drive(engine, workload: Workload, loras: list):
-    from ort_lora.sampling_params import SamplingParams
+    from ort_lora.sampling_params import SamplingParams, StructuredOutputs
 
     reqs = sorted(enumerate(workload.requests), key=lambda ir: ir[1].arrival_s)
     times = [RequestTimes(r.arrival_s) for r in workload.requests]
@@ -87,7 +87,10 @@ def _drive(engine, workload: Workload, loras: list):
         now = time.perf_counter() - t0
         while nxt < len(reqs) and reqs[nxt][1].arrival_s <= now:
             i, r = reqs[nxt]
-            params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+            spec = None if r.schema is None else StructuredOutputs(json=r.schema)
+            params = SamplingParams(
+                max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, structured_outputs=spec
+            )
             lora = None if r.adapter is None else loras[r.adapter]
             engine.add_request(str(i), list(r.prompt_ids), params, lora)
             nxt += 1
