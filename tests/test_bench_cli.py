@@ -44,8 +44,9 @@ def test_quick_run_writes_every_file(quick_run):
         assert (out / name).is_file(), name
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    # one per systems shape, popularity, registered, trace latency, grammar (step phases)
-    assert len(list(out.glob("*.png"))) == len(plan.QUICK.shapes) + 4
+    # one per systems shape, popularity, registered, trace latency, quant (both shapes),
+    # grammar (step time by phase)
+    assert len(list(out.glob("*.png"))) == len(plan.QUICK.shapes) + 5
 
 
 @pytest.mark.slow
@@ -77,9 +78,10 @@ def test_quick_report_has_every_table(quick_run):
     _, out, _ = quick_run
     text = (out / "report.md").read_text()
     assert "ort-lora bench --quick" in text
-    for section in ("## Targets", "## systems/decode-heavy", "## popularity", "## trace"):
+    sections = ("## Targets", "## systems/decode-heavy", "## popularity", "## trace")
+    for section in (*sections, "## quant/decode-heavy", "## quant/prefill-heavy", "## grammar"):
         assert section in text
-    assert "## grammar" in text and "grammar masking at 8 seqs: step time added / step" in text
+    assert "grammar masking at 8 seqs: step time added / step" in text
     assert "| ort-lora json_schema | 8 |" in text  # its step time by phase
     for system, label, _ in plan.SYSTEM_ROWS:
         if (HAS_GENAI or "genai" not in label) and system not in plan.PEER_SYSTEMS:

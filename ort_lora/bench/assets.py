@@ -4,6 +4,9 @@ GGUF / tiny / llama1b  ──▶ hf/            HF checkpoint (transformers save
                        ──▶ ort_lora/      ort-lora export (export_model)
 hf/ + seed             ──▶ adapters/a{i}  random PEFT adapters (save_pretrained, seeded)
 hf/                    ──▶ genai_base/    onnxruntime-genai model builder, fp32 CPU
+hf/                    ──▶ genai_int4/    the same builder, -p int4 (its int4 CPU export)
+GGUF / hf/             ──▶ ort_lora_int4/ ort-lora export --weights int4 (SmolLM2: from the
+                                          GGUF, its Q4_1 blocks carried over; else from hf/)
 hf/ + adapters/a0      ──▶ genai_lora/    builder with one adapter baked in, its LoRA
                                           weights turned into overridable graph inputs,
                                           + one .onnx_adapter per adapter
@@ -189,18 +192,40 @@ def genai_available() -> str | None:
     return None
 
 
-def genai_base(hf: Path, cache: Path) -> Path:
-    """onnxruntime-genai's own export of the checkpoint (fp32, CPU)."""
-    out = cache / "genai_base"
+def genai_base(hf: Path, cache: Path, precision: str = "fp32") -> Path:
+    """onnxruntime-genai's own export of the checkpoint for CPU: fp32, or int4 (its
+    builder's MatMulNBits export, block 32, accuracy_level 4)."""
+    name = "genai_base" if precision == "fp32" else f"genai_{precision}"
+    out = cache / name
     if not (out / "genai_config.json").is_file():
-        _run_builder(hf, _fresh(cache / "genai_base.tmp"), cache / "genai_work", None)
-        (cache / "genai_base.tmp").rename(out)
+        work = cache / "genai_work"
+        _run_builder(hf, _fresh(cache / f"{name}.tmp"), work, None, precision)
+        (cache / f"{name}.tmp").rename(out)
     return out
 
 
-def _run_builder(hf: Path, out: Path, work: Path, adapter: Path | None) -> None:
+def ort_lora_int4(
+    source: ModelSource, hf: Path, cache: Path, block_size: int, adapter_dtype: str = "float32"
+) -> Path:
+    """ort-lora's int4 export (all seven LoRA targets; adapter rows float32 or bfloat16):
+    SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
+    model), other models from the HF checkpoint (round-to-nearest)."""
+    suffix = "" if adapter_dtype == "float32" else f"_{adapter_dtype}"
+    out = cache / f"ort_lora_int4{suffix}"
+    if not (out / "model.onnx").is_file():
+        from ort_lora.export import export_model
+
+        model = _smollm2_gguf() if source.name == "smollm2" else hf
+        options = dict(block_size=block_size, adapter_dtype=adapter_dtype, weights="int4")
+        export_model(model, out, progress=False, force=True, **options)
+    return out
+
+
+def _run_builder(
+    hf: Path, out: Path, work: Path, adapter: Path | None, precision: str = "fp32"
+) -> None:
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf)]
-    cmd += ["-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(work)]
+    cmd += ["-o", str(out), "-p", precision, "-e", "cpu", "-c", str(work)]
     if adapter is not None:
         cmd += ["--extra_options", f"adapter_path={adapter}"]
     done = subprocess.run(cmd, capture_output=True, text=True)

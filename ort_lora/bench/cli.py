@@ -83,9 +83,15 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     built = dict(scale=scale, cache=cache, models=models, adapters=adapters, genai_adapters=[])
     genai = [s for s in systems if s in plan.GENAI_SYSTEMS]
     why = assets.genai_available() if genai else None
+    quant = "quant" in parse_subset(args.experiments, plan.EXPERIMENTS, "experiments")
+    if quant and "ort-lora" in systems:
+        int4 = assets.ort_lora_int4(source, hf, cache, block, args.adapter_dtype)
+        models["ort_lora_int4"] = int4
     try:
         if genai and why is None:
             models["genai_base"] = assets.genai_base(hf, cache)
+            if quant and "genai" in genai:
+                models["genai_int4"] = assets.genai_base(hf, cache, "int4")
             if "genai-multilora" in genai:
                 models["genai_lora"], built["genai_adapters"] = assets.genai_lora(
                     hf, cache, adapters[: scale.num_adapters]

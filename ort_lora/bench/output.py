@@ -74,6 +74,14 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
         )
     )
     pngs.append(plots.latency_plot(report.rows_of(results, "trace"), out / "trace_latency.png"))
+    quant = [
+        {**r, "label": f"{shape}: {r['label']}"}
+        for shape in shapes
+        for r in report.rows_of(results, f"quant/{shape}")
+    ]
+    if quant:
+        title = "int4 base weights: output tokens/s"
+        pngs.append(plots.bar_plot(quant, "output_tok_s", title, "tok/s", out / "quant.png"))
     scale = report.rows_of(results, "scale")
     if scale:
         title = "bigger model: output tokens/s"
@@ -120,6 +128,7 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         "scale",
         "grammar",
     ]
+    experiments += [f"quant/{s}" for s in shapes]
     for exp in experiments:
         rows = report.rows_of(results, exp)
         if rows:

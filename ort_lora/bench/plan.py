@@ -6,6 +6,9 @@ popularity  ort-lora on Punica's patterns (distinct, uniform, skewed, identical)
 trace       S-LoRA's trace (Gamma arrivals) on the engine and through the HTTP server
 registered  ort-lora as the number of registered adapters grows
 prefill     ort-lora base-only prefill (1 output token), with the machine's sgemm rate
+quant       int4 base weights (issue 13), both shapes: ort-lora int4 mixed and base,
+            onnxruntime-genai's int4 CPU export (base only) and ort-lora float32 mixed and
+            base, alternated; decode-heavy also `ort-lora serve` on the int4 export (memory)
 scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
             uniform and base, and vLLM mixed, on a shorter decode-heavy shape
 grammar     ort-lora with every request's output under a JSON schema of its own, next to
@@ -68,9 +71,28 @@ SYSTEM_ROWS = (
 GENAI_SYSTEMS = ("genai", "genai-multilora")
 # systems that run from a venv of their own (peers.py): system -> peer
 PEER_SYSTEMS = {"vllm": "vllm", "vllm-http": "vllm"}
-EXPERIMENTS = ("systems", "popularity", "trace", "registered", "prefill", "scale", "grammar")
+EXPERIMENTS = (
+    "systems",
+    "popularity",
+    "trace",
+    "registered",
+    "prefill",
+    "scale",
+    "grammar",
+    "quant",
+)
 # rows of the grammar experiment: every output under its own JSON schema, and unconstrained
 GRAMMAR_ROWS = ("ort-lora json_schema", "ort-lora unconstrained")
+# rows of the quant experiment, each shape, in the order they run (int4 and float32 rows
+# alternate: a shared machine's load changes during a run): (system, label, pattern, model)
+QUANT_ROWS = (
+    ("ort-lora", "ort-lora int4 mixed", "uniform", "ort_lora_int4"),
+    ("genai", "onnxruntime-genai int4 base", "base", "genai_int4"),
+    ("ort-lora", "ort-lora float32 mixed", "uniform", "ort_lora"),
+    ("ort-lora", "ort-lora int4 base", "base", "ort_lora_int4"),
+    ("ort-lora", "ort-lora float32 base", "base", "ort_lora"),
+)
+QUANT_HTTP_ROW = ("ort-lora-http", "ort-lora HTTP int4 mixed", "uniform", "ort_lora_int4")
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -104,6 +126,7 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
     w = W.popularity_workload("base", n, plen_prefill, 1, vocab_size, 0, seed)
     runs.append(_run("ort-lora", "ort-lora base prefill", "prefill", w, sgemm=True))
     runs += _scale_runs(scale, vocab_size, seed)
+    runs += _quant_runs(scale, vocab_size, seed)
     plen, new = next(iter(scale.shapes.values()))
     constrained = W.json_schema_workload(n, plen, new, vocab_size, a, seed)
     free = W.popularity_workload("uniform", n, plen, new, vocab_size, a, seed)
@@ -124,6 +147,18 @@ def _scale_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
         w = W.popularity_workload(pattern, s["n"], s["prompt"], s["new"], vocab_size, a, seed)
         run = _run(system, f"{label} ({s['model']})", "scale", w)
         runs.append({**run, "model": s["model"]})
+    return runs
+
+
+def _quant_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
+    """The quant experiment's rows (QUANT_ROWS); options["model"] names the export a row
+    runs, which also keeps the float32 rows from being merged with the systems rows."""
+    n, a, runs = scale.num_requests, scale.num_adapters, []
+    for i, (shape, (plen, new)) in enumerate(scale.shapes.items()):
+        rows = QUANT_ROWS + ((QUANT_HTTP_ROW,) if i == 0 else ())
+        for system, label, pattern, model in rows:
+            w = W.popularity_workload(pattern, n, plen, new, vocab_size, a, seed)
+            runs.append(_run(system, label, f"quant/{shape}", w, model=model))
     return runs
 
 

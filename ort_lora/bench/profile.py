@@ -45,7 +45,7 @@ def profile(spec: RunSpec, out_dir: Path) -> dict:
     ort_lora.session_options = profiled
     ort_lora_engine.build_engine = lambda s, w: engines.append(build(s, w)) or engines[-1]
     times, extra = ort_lora_engine.run(spec, spec.load)
-    trace_path = Path(engines[0].session.ort_session.end_profiling())
+    trace_path = Path(engines[0].runner.session.ort_session.end_profiling())
     ops = op_times(json.loads(trace_path.read_text()))
     return {"label": spec.label, "trace": str(trace_path), "op_s": ops, "extra": extra}
 

@@ -92,6 +92,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
         what = f"{regs[-1]['num_adapters']} registered vs distinct adapters in the batch"
         out.append((what, *_both(regs[-1], distinct), 0.95))
     out += _scale_and_memory(results)
+    out += _quant(results, shapes)
     pre = find(results, "prefill", "ort-lora base prefill")
     if pre is not None:
         e = pre["extra"]
@@ -141,6 +142,30 @@ def phases_table(rows: list[dict]) -> str:
         lines.append(f"| {r['label']} | {e['max_seqs']} | {e['step_ms_at_max_seqs']:.2f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _quant(results: list[dict], shapes: list[str]) -> list[tuple]:
+    """Issue 13's targets: int4 base vs float32 base (decode-heavy) and vs onnxruntime-genai's
+    int4 base, int4 mixed (16 adapters) vs genai int4 base; the int4 server's peak RSS."""
+    out = []
+    for shape in shapes:
+        exp = f"quant/{shape}"
+        if not rows_of(results, exp):
+            continue
+        pairs = [("ort-lora int4 base", "onnxruntime-genai int4 base", 1.0)]
+        pairs.append(("ort-lora int4 mixed", "onnxruntime-genai int4 base", 0.8))
+        if shape == "decode-heavy":
+            pairs.insert(0, ("ort-lora int4 base", "ort-lora float32 base", 1.5))
+        for ours, other, goal in pairs:
+            a, b = find(results, exp, ours), find(results, exp, other)
+            out.append((f"{shape}: {ours} / {other}", *_both(a, b), goal))
+    http = find(results, f"quant/{shapes[0]}", "ort-lora HTTP int4 mixed")
+    genai = find(results, f"quant/{shapes[0]}", "onnxruntime-genai int4 base")
+    if http is not None and genai is not None and "pool_mb" in http["extra"]:
+        budget = 1.25 * genai["peak_rss_mb"] + http["extra"]["pool_mb"]
+        what = "int4 server peak RSS / (1.25 x genai int4 peak + pool) (<=)"
+        out.append((what, http["peak_rss_mb"] / budget, None, 1.0))
+    return out
 
 
 def _scale_and_memory(results: list[dict]) -> list[tuple]:

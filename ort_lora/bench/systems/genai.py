@@ -35,7 +35,7 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
     if spec.system == "genai":
         if workload.num_adapters:
             raise ValueError("system 'genai' serves the base model; use 'genai-multilora'")
-        model = load_model(spec.models["genai_base"], spec.threads)
+        model = load_model(spec.models[spec.options.get("model", "genai_base")], spec.threads)
         _generate(model, workload.requests[:2])  # warm up
         cpu0 = time.process_time()
         stamps = _generate(model, workload.requests)

@@ -36,7 +36,8 @@ def serve_command(model_dir: str, port: int, adapters: list[str]) -> list[str]:
 
 
 def start_server(spec: RunSpec, workload: Workload, port: int) -> subprocess.Popen:
-    cmd = serve_command(spec.models["ort_lora"], port, spec.adapters[: workload.num_adapters])
+    model = spec.models[spec.options.get("model", "ort_lora")]
+    cmd = serve_command(model, port, spec.adapters[: workload.num_adapters])
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -83,7 +84,9 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         proc,
         url,
         workload,
-        before_stop=lambda: sizes.update(pool_and_model_mb(url, spec.models["ort_lora"])),
+        before_stop=lambda: sizes.update(
+            pool_and_model_mb(url, spec.models[spec.options.get("model", "ort_lora")])
+        ),
     )
     return times, {**extra, **sizes}
 

@@ -13,13 +13,15 @@ from ort_lora.config import page_bytes
 
 def build_engine(spec: RunSpec, workload: Workload):
     """An LLMEngine on the export with the default pool, max_loras and host adapter cache;
-    spec.options["pool_bytes"] overrides the pool."""
+    spec.options["pool_bytes"] overrides the pool, spec.options["model"] the export (a key
+    of spec.models, default "ort_lora")."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
 
     pool = {"pool_memory_bytes": spec.options["pool_bytes"]} if "pool_bytes" in spec.options else {}
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, **pool)
-    return LLMEngine(spec.models["ort_lora"], config, intra_op_num_threads=spec.threads, seed=0)
+    model = spec.models[spec.options.get("model", "ort_lora")]
+    return LLMEngine(model, config, intra_op_num_threads=spec.threads, seed=0)
 
 
 def lora_requests(spec: RunSpec, workload: Workload) -> list:
