@@ -222,8 +222,17 @@ def sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, dtype, seed, layers
     attrs = {} if dtype == "float32" else {"adapter_dtype": ADAPTER_DTYPES[dtype]}
     sess = one_node_session("LoraSGMV", SGMV_INPUTS, [("y_out", F32, 2)], layer=0, **attrs)
     y_out = aligned(np.empty_like(feeds["y"]))
+    return layers_runner(sess, feeds, y_out, layers, adapters, ("seg_slots",), dtype)
+
+
+def layers_runner(sess, feeds, y_out, layers, per_layer, slot_inputs, dtype="float32"):
+    """A callable making `layers` bound calls, call i with the inputs slot_inputs shifted by
+    i * per_layer slots (its layer's adapters); call 0's result checked against the reference
+    (a benchmark of a wrong kernel is worth nothing)."""
     runners = [
-        bound_runner(sess, feeds | {"seg_slots": feeds["seg_slots"] + i * adapters}, "y_out", y_out)
+        bound_runner(
+            sess, feeds | {k: feeds[k] + i * per_layer for k in slot_inputs}, "y_out", y_out
+        )  # fmt: skip
         for i in range(layers)
     ]
     runners[0]()
@@ -308,26 +317,12 @@ def mix_feeds(rng, rows, adapters, rank, in_f, out_f, mix, layers):
 
 
 def mix_runner(rows, adapters, rank, in_f, out_f, mix, seed, layers):
-    """A callable making `layers` bound calls of `mix`, each on its own layer's adapters (as
-    sgmv_row_dtype_runner); layer 0's result checked against the reference."""
+    """A callable making `layers` bound calls of `mix`, each on its own layer's adapters."""
     rng = np.random.default_rng(seed)
     feeds, per_layer = mix_feeds(rng, rows, adapters, rank, in_f, out_f, mix, layers)
     sess = one_node_session("LoraSGMV", MIX_INPUTS, [("y_out", F32, 2)], layer=0)
     y_out = aligned(np.empty_like(feeds["y"]))
-    shift = ("seg_slots", "comp_slots")
-    runners = [
-        bound_runner(sess, feeds | {k: feeds[k] + i * per_layer for k in shift}, "y_out", y_out)
-        for i in range(layers)
-    ]
-    runners[0]()
-    ref = lora_sgmv(**feeds, layer=0)
-    np.testing.assert_allclose(y_out, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-
-    def run():
-        for r in runners:
-            r()
-
-    return run
+    return layers_runner(sess, feeds, y_out, layers, per_layer, ("seg_slots", "comp_slots"))
 
 
 def bench_sgmv_mixes(name, rows, adapters, rank, in_f, out_f, layers, reps, seed, clock):

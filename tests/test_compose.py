@@ -3,8 +3,8 @@
 export against PEFT.
 
 Oracle: PEFT's add_weighted_adapter(..., combination_type="cat"), which builds the exact
-weighted sum of the adapters' deltas. A step whose sequences are composed (0.7 a + 0.3 b;
-1.5 b - 0.5 a; 0.5 a alone), single-adapter (a; a DoRA adapter) and base gives every
+weighted sum of the adapters' deltas. A step whose sequences are composed (0.7 one + 0.3 two;
+1.5 two - 0.5 one; 0.5 one alone), single-adapter (one; a DoRA adapter) and base gives every
 sequence's prompt log-softmax within 1e-4 of PEFT, and each sequence's logits equal that
 sequence run alone.
 """
@@ -23,13 +23,14 @@ from ort_lora.lora_request import LoRARequest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
+from peft_cases import save_adapters  # noqa: E402
 from test_adapters import ADAPTERS, make_adapter, manifest  # noqa: E402
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_ADAPTERS = {
-    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-    "b": dict(r=8, lora_alpha=16, target_modules=ALL_LINEAR, rank_pattern={"o_proj": 2}),
-    "d": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+    "one": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "two": dict(r=8, lora_alpha=16, target_modules=ALL_LINEAR, rank_pattern={"o_proj": 2}),
+    "dora": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
               use_dora=True, use_rslora=True),
 }  # fmt: skip
 IDS = {name: i + 1 for i, name in enumerate(PEFT_ADAPTERS)}
@@ -133,20 +134,8 @@ def hf_model(tiny_llama_checkpoint):
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    import copy
-
     root = tmp_path_factory.mktemp("compose")
-    for i, (name, kwargs) in enumerate(PEFT_ADAPTERS.items()):
-        torch.manual_seed(500 + i)
-        model = peft.get_peft_model(copy.deepcopy(hf_model),
-                                    peft.LoraConfig(init_lora_weights=False, **kwargs))  # fmt: skip
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-                if "lora_magnitude_vector" in n:
-                    p.mul_(1 + 0.3 * torch.randn_like(p))
-        model.save_pretrained(root / name)
+    save_adapters(hf_model, root, PEFT_ADAPTERS, seed=500)
     return root
 
 
@@ -170,12 +159,12 @@ def peft_logits(hf_model, root, terms: list[tuple[str, float]], prompt: list[int
 
 # (adapter terms, prompt) per sequence of the step
 SEQUENCES = [
-    ([("a", 0.7), ("b", 0.3)], [5, 17, 99, 3, 42, 8, 77, 120, 64, 33, 21]),
-    ([("a", 1.0)], [200, 150, 100, 50, 25, 12, 6]),
+    ([("one", 0.7), ("two", 0.3)], [5, 17, 99, 3, 42, 8, 77, 120, 64, 33, 21]),
+    ([("one", 1.0)], [200, 150, 100, 50, 25, 12, 6]),
     ([], [7, 7, 7, 1, 9]),
-    ([("b", 1.5), ("a", -0.5)], [11, 22, 33, 44, 55, 66, 77, 88, 99]),
-    ([("d", 1.0)], [3, 9, 27, 81, 243, 4, 8, 16]),
-    ([("a", 0.5)], [60, 61, 62, 63, 64, 65]),
+    ([("two", 1.5), ("one", -0.5)], [11, 22, 33, 44, 55, 66, 77, 88, 99]),
+    ([("dora", 1.0)], [3, 9, 27, 81, 243, 4, 8, 16]),
+    ([("one", 0.5)], [60, 61, 62, 63, 64, 65]),
 ]
 
 
@@ -216,8 +205,8 @@ def test_composed_single_dora_and_base_rows_match_peft(tiny_llama_export, hf_mod
         pages[name] = tuple(range(first, first + registry.num_pages_needed(name)))
         assert len(pages[name]) <= PAGES_PER_ADAPTER
         registry.write_to_pool(name, pages[name], session.pool)
-    with pytest.raises(AdapterError, match="'d' is a DoRA adapter: DoRA adapters cannot be comp"):
-        registry.composition([("a", 0.5), ("d", 0.5)])
+    with pytest.raises(AdapterError, match="'dora' is a DoRA adapter: DoRA adapters cannot be"):
+        registry.composition([("one", 0.5), ("dora", 0.5)])
     bs = session.manifest.block_size
     mixed = run_step(session, registry, pages, SEQUENCES, bs)  # [rows, vocab]
     row = 0
@@ -231,5 +220,5 @@ def test_composed_single_dora_and_base_rows_match_peft(tiny_llama_export, hf_mod
         np.testing.assert_allclose(ours, alone, atol=1e-5, rtol=0, err_msg=f"{terms} alone")
         row += len(prompt)
     composed = mixed[: len(SEQUENCES[0][1])]
-    only_a = peft_logits(hf_model, adapter_dirs, [("a", 1.0)], SEQUENCES[0][1])
-    assert np.abs(composed - only_a).max() > 1e-2, "b's share must change the composed output"
+    only_one = peft_logits(hf_model, adapter_dirs, [("one", 1.0)], SEQUENCES[0][1])
+    assert np.abs(composed - only_one).max() > 1e-2, "two's share must change the output"

@@ -17,9 +17,9 @@ from ort_lora import LLM, LoRARequest, SamplingParams
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from test_engine_peft import MAX_NEW, PROMPTS, _fresh, _oracle  # noqa: E402
+from peft_cases import assert_matches_peft, peft_models, save_adapters  # noqa: E402
+from test_engine_peft import ALL_LINEAR, MAX_NEW, PROMPTS, _fresh, _oracle  # noqa: E402
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
     "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "dora_qv": dict(
@@ -38,6 +38,7 @@ ADAPTERS = {
         alpha_pattern={"down_proj": 4},
     ),  # fmt: skip
 }
+DORA = ("dora_qv", "dora_all_rs")
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +51,7 @@ def hf_model(tiny_llama_checkpoint):
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    """The adapters with random A, B of unit scale and (DoRA) magnitudes off their initial
-    norms by up to ~30%, so every scale matters."""
-    root = tmp_path_factory.mktemp("dora_engine")
-    dirs = {}
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(300 + i)
-        model = peft.get_peft_model(_fresh(hf_model), peft.LoraConfig(init_lora_weights=False,
-                                                                      **kwargs))  # fmt: skip
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-                if "lora_magnitude_vector" in n:
-                    p.mul_(1 + 0.3 * torch.randn_like(p))
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-    return dirs
+    return save_adapters(hf_model, tmp_path_factory.mktemp("dora_engine"), ADAPTERS, seed=300)
 
 
 def _lora(name, dirs):
@@ -79,32 +64,16 @@ def test_dora_in_a_mixed_batch_matches_peft(tiny_llama_export, hf_model, adapter
     names = [None, *ADAPTERS]
     requests = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 2)]
     llm = LLM(tiny_llama_export, num_pages=256, max_loras=4)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p, _ in requests],
-        params,
-        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
-    )
+    loras = [_lora(n, adapter_dirs) for _, n in requests]
+    models = peft_models(hf_model, adapter_dirs, ADAPTERS)
+    worst = assert_matches_peft(llm, requests, loras, models, MAX_NEW)
     assert llm.engine.registry.is_dora("dora_qv") and not llm.engine.registry.is_dora("qv4")
-    models = {None: hf_model}
-    models |= {n: peft.PeftModel.from_pretrained(_fresh(hf_model), d).eval()
-               for n, d in adapter_dirs.items()}  # fmt: skip
-    worst = 0.0
-    for (prompt, name), out in zip(requests, outs):
-        logp, greedy = _oracle(models[name], prompt)
-        for pos, entry in enumerate(out.prompt_logprobs[1:]):
-            assert prompt[pos + 1] in entry, f"{name}: position {pos + 1} lacks the actual token"
-            for token, lp in entry.items():
-                worst = max(worst, abs(lp.logprob - logp[pos, token]))
-                message = f"adapter {name} pos {pos} token {token}"
-                np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
-        assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
     print(f"largest |prompt logprob - PEFT|: {worst:.2e}")
 
 
 def test_dora_scale_matters(tiny_llama_export, hf_model, adapter_dirs, tmp_path):
-    """The same adapter with use_dora but its magnitudes left at their initial norms (scale 1)
-    is plain LoRA: the DoRA adapters above change the tokens beyond their LoRA part."""
+    """PEFT's plain LoRA with the same A and B (DoRA switched off) differs from what we serve:
+    the scale, not only the LoRA part, reaches the output."""
     llm = LLM(tiny_llama_export, num_pages=256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=1, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params,
@@ -132,20 +101,7 @@ def test_dora_on_an_int4_export_matches_peft_on_its_dequantized_weights(
     out = export_quantized(tiny_llama_checkpoint, tmp_path / "int4", "int4", 0)
     requests = [(p, name) for p in PROMPTS[:2] for name in ("dora_qv", "dora_all_rs", None)]
     llm = LLM(out, num_pages=256, max_loras=4)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=2, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p, _ in requests],
-        params,
-        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
-    )
-    base = reference(tiny_llama_checkpoint, out)
-    models = {None: base}
-    models |= {n: peft.PeftModel.from_pretrained(_fresh(base), adapter_dirs[n]).eval()
-               for n in ("dora_qv", "dora_all_rs")}  # fmt: skip
-    for (prompt, name), got in zip(requests, outs):
-        logp, greedy = _oracle(models[name], prompt)
-        for pos, entry in enumerate(got.prompt_logprobs[1:]):
-            for token, lp in entry.items():
-                message = f"int4, adapter {name} pos {pos} token {token}"
-                np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
-        assert got.outputs[0].token_ids == greedy, f"int4, adapter {name}: greedy tokens differ"
+    loras = [_lora(n, adapter_dirs) for _, n in requests]
+    models = peft_models(reference(tiny_llama_checkpoint, out), adapter_dirs, DORA)
+    worst = assert_matches_peft(llm, requests, loras, models, MAX_NEW)
+    print(f"int4: largest |prompt logprob - PEFT|: {worst:.2e}")

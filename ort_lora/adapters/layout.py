@@ -5,10 +5,11 @@ page p starts at flat element (h * num_pages + p) * page_elems. An adapter owns 
 pages, the same in every layer, i.e. 2 * len(pages) "halves" of page_elems elements each.
 Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m, and a DoRA
 adapter's row D, length out_m, per module) are packed first-fit-decreasing into those halves,
-so no row straddles a half. The packing depends only on
-the adapter, page_elems and `pack`; the page list just maps half i to page pages[i // 2], half
-i % 2. pack = 2 (bfloat16 rows in a float32 pool, manifest.adapter_row_pack) puts two values in
-each pool element: a row of n values takes ceil(n / 2) elements.
+so no row straddles a half. The packing depends only on the adapter, page_elems and `pack`;
+the page list just maps half i to page pages[i // 2], half i % 2. pack = 2 (bfloat16 rows in
+a float32 pool, manifest.adapter_row_pack) puts two values in each pool element: a row of n
+values takes ceil(n / 2) elements. step_tables turns the slots' offsets, ranks and scales into
+a step's per-module graph inputs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ort_lora.adapters.compose import composition_entries
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.bfloat16 import float32_to_bfloat16_bits
+from ort_lora.contract import LORA_MODULES, lora_input_name
 
 if TYPE_CHECKING:
     from ort_lora.adapters.host import HostAdapter
@@ -103,6 +106,38 @@ def layout(
         dh, drel = pk.dora.get(m, (-1, -1))
         dora = int(half_start[dh] + drel) if dh >= 0 else -1
         out[m] = (half_start[ah] + arel, half_start[bh] + brel, dora)
+    return out
+
+
+def step_tables(parts: dict[int, dict], manifest: ModelManifest) -> dict[str, np.ndarray]:
+    """The per-module LoRA graph inputs of a step from each slot's part (slot -> module ->
+    (a_offsets [R], b_offsets [R], ranks int32 [L], scales float32 [L], dora_offset)):
+    lora_{m}_{a_offsets,b_offsets,ranks,scales} and, as the export has them,
+    lora_{m}_dora_offsets and the empty (E = 0) lora_comp_* inputs. Slots without a part and
+    modules a slot's adapter does not target get rank 0 (and dora_offset -1)."""
+    num_slots = max(parts, default=0) + 1
+    num_layers = manifest.num_layers
+    out = {}
+    for m in (m for m in LORA_MODULES if m in manifest.lora_targets):
+        rank = max([len(p[m][0]) for p in parts.values() if m in p], default=1)
+        a_off = np.zeros((num_slots, rank), np.int64)
+        b_off = np.zeros((num_slots, rank), np.int64)
+        ranks = np.zeros((num_layers, num_slots), np.int32)
+        scales = np.zeros((num_layers, num_slots), np.float32)
+        dora = np.full(num_slots, -1, np.int64)
+        for slot, p in parts.items():
+            if m in p:
+                a, b, r, s, d = p[m]
+                a_off[slot, : len(a)], b_off[slot, : len(b)] = a, b
+                ranks[:, slot], scales[:, slot], dora[slot] = r, s, d
+        out[lora_input_name(m, "a_offsets")] = a_off
+        out[lora_input_name(m, "b_offsets")] = b_off
+        out[lora_input_name(m, "ranks")] = ranks
+        out[lora_input_name(m, "scales")] = scales
+        if "dora" in manifest.lora_features:
+            out[lora_input_name(m, "dora_offsets")] = dora
+    if "composition" in manifest.lora_features:
+        out |= composition_entries()
     return out
 
 

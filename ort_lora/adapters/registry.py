@@ -25,13 +25,19 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
-from ort_lora.adapters.compose import check_weights, composition_entries, segment_inputs
+from ort_lora.adapters.compose import check_weights, segment_inputs
 from ort_lora.adapters.dora import dora_scale_rows
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
-from ort_lora.adapters.layout import layout, num_pages_needed, prepare_rows, write_to_pool
+from ort_lora.adapters.layout import (
+    layout,
+    num_pages_needed,
+    prepare_rows,
+    step_tables,
+    write_to_pool,
+)
 from ort_lora.adapters.peft_config import CONFIG_NAME
-from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
+from ort_lora.contract import ModelManifest
 from ort_lora.lora_request import LoRARequest
 
 # (slot, adapter int id or name, pages) for each adapter slot of a step
@@ -347,7 +353,7 @@ class AdapterRegistry:
             if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
                 raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
             parts = {slot: self._slot_part(aid, pages, num_pages) for slot, aid, pages in key[1]}
-            self._last_step = (key, self._assemble(parts))
+            self._last_step = (key, step_tables(parts, self.manifest))
         out = self._last_step[1]  # with E = 0 composition entries if the export has them
         if segments is None:
             return out
@@ -379,29 +385,3 @@ class AdapterRegistry:
         while len(self._step_parts) > _MAX_STEP_ENTRIES:
             self._step_parts.popitem(last=False)
         return part
-
-    def _assemble(self, parts: dict[int, dict]) -> dict[str, np.ndarray]:
-        num_slots = max(parts, default=0) + 1
-        num_layers = self.manifest.num_layers
-        out = {}
-        for m in (m for m in LORA_MODULES if m in self.manifest.lora_targets):
-            rank = max([len(p[m][0]) for p in parts.values() if m in p], default=1)
-            a_off = np.zeros((num_slots, rank), np.int64)
-            b_off = np.zeros((num_slots, rank), np.int64)
-            ranks = np.zeros((num_layers, num_slots), np.int32)
-            scales = np.zeros((num_layers, num_slots), np.float32)
-            dora = np.full(num_slots, -1, np.int64)
-            for slot, p in parts.items():
-                if m in p:
-                    a, b, r, s, d = p[m]
-                    a_off[slot, : len(a)], b_off[slot, : len(b)] = a, b
-                    ranks[:, slot], scales[:, slot], dora[slot] = r, s, d
-            out[lora_input_name(m, "a_offsets")] = a_off
-            out[lora_input_name(m, "b_offsets")] = b_off
-            out[lora_input_name(m, "ranks")] = ranks
-            out[lora_input_name(m, "scales")] = scales
-            if "dora" in self.manifest.lora_features:
-                out[lora_input_name(m, "dora_offsets")] = dora
-        if "composition" in self.manifest.lora_features:
-            out |= composition_entries()
-        return out

@@ -1,0 +1,65 @@
+"""Shared by the DoRA and composition tests against PEFT: adapters whose every part matters,
+and one generate() call checked request by request against PEFT."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+
+
+def save_adapters(hf_model, root: Path, configs: dict, seed: int) -> dict[str, Path]:
+    """name -> directory of a PEFT adapter per config (peft.LoraConfig kwargs) on a copy of
+    hf_model: random A, B of unit scale and (DoRA) magnitudes moved off their initial norms by
+    up to ~30 %, so that the LoRA delta and the DoRA scale both change the output."""
+    import peft
+    import torch
+
+    dirs = {}
+    for i, (name, kwargs) in enumerate(configs.items()):
+        torch.manual_seed(seed + i)
+        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
+        model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.5)
+                if "lora_magnitude_vector" in n:
+                    p.mul_(1 + 0.3 * torch.randn_like(p))
+        model.save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def peft_models(base, dirs: dict[str, Path], names) -> dict:
+    """{None: base} and name -> PeftModel of dirs[name] on a copy of base (eval mode)."""
+    import peft
+
+    models = {None: base}
+    for name in names:
+        models[name] = peft.PeftModel.from_pretrained(copy.deepcopy(base), dirs[name]).eval()
+    return models
+
+
+def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> float:
+    """Generates requests [(prompt ids, adapter name or None)] greedily with prompt_logprobs;
+    every prompt logprob within 1e-4 of PEFT's teacher-forced log-softmax and the greedy tokens
+    equal PEFT's generate (test_engine_peft._oracle). Returns the largest |difference|."""
+    from test_engine_peft import _oracle
+
+    from ort_lora import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, prompt_logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, lora_requests)
+    worst = 0.0
+    for (prompt, name), out in zip(requests, outs, strict=True):
+        logp, greedy = _oracle(models[name], prompt)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            assert prompt[pos + 1] in entry, f"{name}: position {pos + 1} lacks the actual token"
+            for token, lp in entry.items():
+                worst = max(worst, abs(lp.logprob - logp[pos, token]))
+                message = f"adapter {name} pos {pos} token {token}"
+                np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
+        assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
+    return worst
