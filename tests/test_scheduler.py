@@ -192,6 +192,24 @@ def test_max_loras_caps_distinct_adapters_base_never_counts():
     assert [e.slot for e in plan.entries] == [-1, 0, 0, 1]  # base first, then by slot
 
 
+def test_default_max_loras_is_the_pool_not_a_cap():
+    """No max_loras given: every distinct adapter whose pages fit beside the running KV joins
+    the step (the old default of 4 serialized 16 adapters); a given max_loras still caps it."""
+
+    def distinct_in_first_step(num_pages: int, **kw) -> int:
+        sched = make_scheduler(num_pages, max_num_seqs=32, max_num_batched_tokens=256, **kw)
+        rng = random.Random(3)
+        for i in range(32):  # 16 adapters x 2 requests: 2 pages each + 2 KV blocks a request
+            sched.add(make_seq(f"r{i}", 4, 4, adapter=f"A{i % 16}", rng=rng))
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        return len({a.adapter_id for a in plan.adapters})
+
+    assert distinct_in_first_step(128) == 16  # 16 x 2 adapter pages + 32 x 2 KV blocks fit
+    assert distinct_in_first_step(128, max_loras=4) == 4  # an explicit upper bound
+    assert 0 < distinct_in_first_step(32) < 16  # a small pool bounds it by itself
+
+
 def test_rare_adapter_is_not_starved_by_a_flood():
     def run(wait_steps: int, horizon: int = 40) -> int | None:
         sched = make_scheduler(num_pages=256, max_loras=2, max_adapter_wait_steps=wait_steps)

@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter; paths must be in here",
     )
     p.add_argument("--served-model-name", help="name of the base model in the API")
-    p.add_argument("--max-loras", type=int, help="distinct adapters in one step")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        help="upper bound on distinct adapters in one step (default: none beyond the pool: as "
+        "many as fit beside the running sequences' KV)",
+    )
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
     p.add_argument("--max-num-seqs", type=int, help="sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step")
