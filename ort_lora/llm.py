@@ -56,13 +56,17 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | list[LoRARequest] | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (str, token id list, or {"prompt_token_ids": [...]}).
 
         sampling_params and lora_request: one for all prompts or a list, one per prompt
-        (None = the base model). Returns RequestOutputs in the order of the prompts.
+        (None = the base model). A prompt's lora_request may itself be a list of
+        LoRARequests: a composition, sum_i weight_i * adapter_i over its rows (each
+        LoRARequest's `weight`, default 1.0; at most max_loras adapters, no DoRA adapter):
+        lora_request=[[LoRARequest("a", 1, pa, weight=0.7), LoRARequest("b", 2, pb, 0.3)]]
+        for one prompt. Returns RequestOutputs in the order of the prompts.
         """
         prompts = _as_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")

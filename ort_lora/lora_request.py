@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,11 +14,16 @@ class LoRARequest:
     lora_name: the adapter's public name (the OpenAI `model` field names it).
     lora_int_id: a unique positive integer id, stable for the adapter's lifetime.
     lora_path: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    weight: the adapter's weight w when a request composes adapters (a list of LoRARequests:
+      its rows get sum_i w_i * s_i * B_i A_i x, PEFT's add_weighted_adapter(cat)); default
+      1.0. One LoRARequest at a weight other than 1 is a composition of one adapter. Not part
+      of the adapter's identity: requests that differ only in weight are equal.
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    weight: float = field(default=1.0, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -30,6 +36,11 @@ class LoRARequest:
             object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(
+                f"adapter {self.lora_name!r}: weight must be a finite number, got {w!r}"
+            )
 
     @property
     def adapter_id(self) -> int:

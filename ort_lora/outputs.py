@@ -54,4 +54,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    lora_request: LoRARequest | None = None
+    lora_request: LoRARequest | tuple[LoRARequest, ...] | None = None  # tuple: composed

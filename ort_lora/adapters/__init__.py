@@ -1,6 +1,11 @@
 """PEFT LoRA adapters: parsing and validation, host form, pool layout, registry."""
 
-from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
+from ort_lora.adapters.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterPathError,
+    CompositionError,
+)
 from ort_lora.adapters.host import HostAdapter, ModuleWeights, load_adapter
 from ort_lora.adapters.layout import layout, num_pages_needed, packing, write_to_pool
 from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
@@ -11,6 +16,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterPathError",
     "AdapterRegistry",
+    "CompositionError",
     "HostAdapter",
     "ModuleWeights",
     "PeftLoraConfig",

@@ -19,30 +19,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from ort_lora import contract as C
-from ort_lora.adapters.errors import AdapterError
+from ort_lora.adapters.errors import CompositionError
 
 Terms = Sequence[tuple[int, float]]  # (adapter slot or id, weight), in order
 
 
 def check_weights(terms: Terms, names: Sequence[str], max_adapters: int | None) -> None:
-    """AdapterError naming the problem: no adapter, more than max_adapters, an adapter twice, a
+    """CompositionError naming the problem: no adapter, more than max_adapters, an adapter twice, a
     weight that is not a finite number. names[i] names terms[i]'s adapter."""
     if not terms:
-        raise AdapterError("a composition names no adapter: expected one or more")
+        raise CompositionError("a composition names no adapter: expected one or more")
     if max_adapters is not None and len(terms) > max_adapters:
-        raise AdapterError(
+        raise CompositionError(
             f"a composition of {len(terms)} adapters ({', '.join(names)}) exceeds max_loras = "
             f"{max_adapters}: every composed adapter is resident at once"
         )
     seen = set()
     for (key, weight), name in zip(terms, names, strict=True):
         if key in seen:
-            raise AdapterError(f"adapter {name!r} appears twice in one composition")
+            raise CompositionError(f"adapter {name!r} appears twice in one composition")
         seen.add(key)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise AdapterError(f"adapter {name!r}: weight {weight!r} is not a number")
+            raise CompositionError(f"adapter {name!r}: weight {weight!r} is not a number")
         if not math.isfinite(weight):
-            raise AdapterError(f"adapter {name!r}: weight {weight!r} is not finite")
+            raise CompositionError(f"adapter {name!r}: weight {weight!r} is not finite")
 
 
 def is_plain(terms: Terms) -> bool:

@@ -14,3 +14,8 @@ class AdapterNotFoundError(AdapterError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class CompositionError(AdapterError):
+    """A request's composition of adapters cannot be served: no adapter, one twice, a weight
+    that is not finite, more adapters than max_loras, a DoRA adapter (the server answers 400)."""

@@ -27,7 +27,12 @@ import numpy as np
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
 from ort_lora.adapters.compose import check_weights, segment_inputs
 from ort_lora.adapters.dora import dora_scale_rows
-from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
+from ort_lora.adapters.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterPathError,
+    CompositionError,
+)
 from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
 from ort_lora.adapters.layout import (
     layout,
@@ -119,6 +124,7 @@ class AdapterRegistry:
         self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
         self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
         self._users: dict[int, int] = {}  # int id -> unfinished sequences using it
+        self.request_counts: dict[int, int] = {}  # int id -> requests served with it (metrics)
         self._unloading: set[int] = set()  # int ids drained before they are unregistered
         self.stats = {"loads": 0, "host_hits": 0, "host_misses": 0, "host_evictions": 0}
 
@@ -175,6 +181,10 @@ class AdapterRegistry:
             del self._users[aid]
         return self._finish_unload(aid)
 
+    def count_request(self, aid: int) -> None:
+        """One more request runs with the adapter, alone or composed (per-adapter metrics)."""
+        self.request_counts[aid] = self.request_counts.get(aid, 0) + 1
+
     def user_counts(self) -> dict[int, int]:
         """int id -> unfinished sequences using it (adapters with users only)."""
         return dict(self._users)
@@ -205,6 +215,7 @@ class AdapterRegistry:
         aid = request.lora_int_id
         assert not self._users.get(aid), f"adapter {request.lora_name!r} still has users"
         del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
+        self.request_counts.pop(aid, None)
         self._dora_ids.discard(aid)
         self._host.pop(aid, None)
         for key in [k for k in self._step_parts if k[0] == aid]:
@@ -291,12 +302,12 @@ class AdapterRegistry:
         self, adapters: list[tuple[str | int, float]], max_loras: int | None = None
     ) -> tuple[tuple[int, float], ...]:
         """A composed request's adapters [(name or int id, weight)] checked and resolved to
-        ((int id, weight), ...), in order. AdapterError naming the problem: no adapter, more
+        ((int id, weight), ...), in order. CompositionError naming the problem: no adapter, more
         than max_loras, one twice, a weight not finite, an adapter not registered (or being
         unloaded: AdapterNotFoundError), a DoRA adapter (cannot be composed), an export without
         composition. The adapters must be registered first (resolve / register)."""
         if "composition" not in self.manifest.lora_features:
-            raise AdapterError(
+            raise CompositionError(
                 "the exported model predates composition (its manifest's lora_features lacks "
                 "'composition'): re-export it to compose adapters"
             )
@@ -307,7 +318,7 @@ class AdapterRegistry:
         check_weights(out, [str(a) for a, _ in adapters], max_loras)
         for (aid, _), (name_or_id, _) in zip(out, adapters):
             if aid in self._dora_ids:
-                raise AdapterError(
+                raise CompositionError(
                     f"adapter {name_or_id!r} is a DoRA adapter: DoRA adapters cannot be composed "
                     "(each rescales the whole module output by its own magnitude)"
                 )

@@ -61,20 +61,20 @@ def _blocks_owned_once(pool: PagePool, scheduler: Scheduler) -> None:
 
 
 def _adapters_pinned_by_running(pool: PagePool, scheduler: Scheduler) -> None:
-    """Every running sequence's adapter is resident and pinned once per such sequence;
-    nothing is pinned without one."""
-    pins = Counter(s.adapter_id for s in scheduler.running if s.adapter_id is not None)
+    """Every adapter a running sequence runs with (its one, or each composed) is resident and
+    pinned once per such sequence; nothing is pinned without one."""
+    pins = Counter(aid for s in scheduler.running for aid in s.adapter_ids)
     held = {a: refs for a, (_, refs) in pool.residents().items() if refs}
     assert held == dict(pins), f"adapter pins {held} != running sequences per adapter {pins}"
 
 
 def _adapters_registered_with_users(pool: PagePool, registry: AdapterRegistry, scheduler):
     """Resident adapters are registered, at their registered size, and the registry counts
-    each unfinished sequence as a user of its adapter."""
+    each unfinished sequence as a user of each adapter it runs with."""
     for a, (pages, _) in pool.residents().items():
         assert a in registry, f"resident adapter {a!r} is not registered"
         assert len(pages) == registry.num_pages_needed(a), f"adapter {a!r} has a stale size"
-    users = Counter(s.adapter_id for s in scheduler.sequences.values() if s.adapter_id is not None)
+    users = Counter(aid for s in scheduler.sequences.values() for aid in s.adapter_ids)
     assert registry.user_counts() == dict(users), (
         f"registry users {registry.user_counts()} != unfinished sequences {dict(users)}"
     )

@@ -5,12 +5,14 @@ ort_lora/engine/__init__.py describes. Single-threaded: call every method from o
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SeqOf
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ort_lora.adapters import AdapterError, AdapterRegistry
+from ort_lora.adapters.errors import CompositionError
 from ort_lora.adapters.host import HostAdapter
 from ort_lora.config import EngineConfig, fit_context
 from ort_lora.contract import ModelManifest
@@ -104,30 +106,52 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | SeqOf[LoRARequest] | None = None,
         register: bool = True,
     ) -> RequestState:
         """Queue a request; RequestError / AdapterError (ValueError) when it cannot be served.
-        register: an adapter not registered yet is registered now (the offline API);
-        False: it must be registered (a server's adapters: unloading one is final)."""
+        lora_request: one adapter, or a list of them: a composition (each LoRARequest's
+        weight; CompositionError naming what is wrong with it). register: an adapter not
+        registered yet is registered now (the offline API); False: it must be registered (a
+        server's adapters: unloading one is final)."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
-        lora = None if lora_request is None else self.registry.resolve(lora_request, register)
-        aid = lora.lora_int_id if lora else None
-        pages = self.registry.num_pages_needed(aid) if lora else 0
-        max_tokens = check_request(ids, params, pages, self.limits)
+        lora, aid, composition = self._adapters(lora_request, register)
+        pages = self.registry.num_pages_needed(aid) if aid is not None else 0
+        all_pages = pages + sum(n for _, n, _ in composition)
+        max_tokens = check_request(ids, params, all_pages, self.limits)
         prompt_lp = params.prompt_logprobs is not None  # computed once, by completion 0
         seqs = [
-            Sequence(completion_id(request_id, i), ids, max_tokens, aid, pages, params, lp)
+            Sequence(completion_id(request_id, i), ids, max_tokens, aid, pages, params, lp,
+                     composition)
             for i, lp in enumerate([prompt_lp] + [False] * (params.n - 1))
-        ]
+        ]  # fmt: skip
         grammar = self.grammars.constraints_for(params.structured_outputs)
         state = RequestState.create(
             request_id, text, ids, params, lora, seqs, self.tokenizer, grammar
         )
         self.tracker.add(state)
         return state
+
+    def _adapters(self, lora_request, register: bool):
+        """(what the output names: a LoRARequest, a tuple of them or None; the one adapter's id
+        or None; a composition ((id, pages, weight), ...) or ()). One adapter at weight 1, or
+        a list of just that, is that adapter alone (a DoRA adapter may be)."""
+        if lora_request is None:
+            return None, None, ()
+        asked = [lora_request] if isinstance(lora_request, LoRARequest) else list(lora_request)
+        bad = [r for r in asked if not isinstance(r, LoRARequest)]
+        if bad:
+            raise CompositionError(f"a composition lists LoRARequests, got {bad[0]!r}")
+        loras = [self.registry.resolve(r, register) for r in asked]
+        if len(asked) == 1 and asked[0].weight == 1.0:
+            return loras[0], loras[0].lora_int_id, ()
+        terms = self.registry.composition(
+            [(r.lora_name, r.weight) for r in asked], self.config.max_loras
+        )
+        named = tuple(replace(lora, weight=w) for lora, (_, w) in zip(loras, terms))
+        return named, None, tuple((a, self.registry.num_pages_needed(a), w) for a, w in terms)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its pages are free at once. Returns its final output."""

@@ -48,6 +48,8 @@ class ModelRunner:
         times = times or StepTimes()
         with times.phase("inputs"):
             inputs = build_metadata(plan, self.block_size, buffers=self.buffers)
-            inputs.update(self.registry.lora_step_inputs(plan.lora_slots, self.session.num_pages))
+            segments = plan.segments if plan.has_composition else None
+            lora = self.registry.lora_step_inputs(plan.lora_slots, self.session.num_pages, segments)
+            inputs.update(lora)
         with times.phase(RUN):
             return self.session.run(inputs)

@@ -10,6 +10,8 @@ API (the engine and scheduler call only these):
   can_admit(kv_pages, adapter_id, adapter_pages) -> bool
                                 a request's KV pages and its adapter fit together (a resident
                                 adapter costs nothing, and it is not counted as evictable)
+  can_admit_all(kv_pages, [(adapter_id, adapter_pages), ...]) -> bool
+                                the same for a request that runs with several adapters
   allocate_kv(n) -> list[int]   n pages for KV blocks; evicts idle adapters LRU when the free
                                 list is short; raises PoolExhausted when impossible (check
                                 can_allocate first: a failed call changes nothing)
@@ -88,8 +90,11 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def _evictable(self, keep: Hashable | None = None) -> int:
-        return sum(len(r.pages) for a, r in self._adapters.items() if r.refcount == 0 and a != keep)
+    def _evictable(self, keep: Iterable[Hashable] = ()) -> int:
+        keep = set(keep)
+        return sum(
+            len(r.pages) for a, r in self._adapters.items() if r.refcount == 0 and a not in keep
+        )
 
     def can_allocate(self, n: int) -> bool:
         """True if n pages can be obtained (free pages + pages of idle adapters)."""
@@ -97,10 +102,16 @@ class PagePool:
 
     def can_admit(self, kv_pages: int, adapter_id: Hashable | None, adapter_pages: int) -> bool:
         """True if kv_pages KV pages AND the adapter (resident or loaded) fit at once."""
-        if adapter_id is None:
-            return self.can_allocate(kv_pages)
-        needed = kv_pages + (0 if adapter_id in self._adapters else adapter_pages)
-        return needed <= len(self._free) + self._evictable(keep=adapter_id)
+        return self.can_admit_all(
+            kv_pages, [] if adapter_id is None else [(adapter_id, adapter_pages)]
+        )
+
+    def can_admit_all(self, kv_pages: int, adapters: Iterable[tuple[Hashable, int]]) -> bool:
+        """True if kv_pages KV pages AND every (adapter, pages) fit at once (acquire the
+        resident ones first: loading the others then evicts none of them)."""
+        adapters = list(adapters)
+        needed = kv_pages + sum(n for a, n in adapters if a not in self._adapters)
+        return needed <= len(self._free) + self._evictable(keep=[a for a, _ in adapters])
 
     def _take(self, n: int) -> list[int]:
         """n pages off the free list, evicting idle adapters LRU first if it is short."""

@@ -153,7 +153,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    lora_request: LoRARequest | None
+    lora_request: LoRARequest | tuple[LoRARequest, ...] | None  # a tuple: a composition
     completions: list[Completion] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
@@ -232,9 +232,11 @@ class RequestTracker:
         self.requests[state.request_id] = state
         for c in state.completions:
             self._owners[c.seq.completion_id] = (state, c)
-            if c.seq.adapter_id is not None:
-                self.registry.add_user(c.seq.adapter_id)
+            for aid in c.seq.adapter_ids:
+                self.registry.add_user(aid)
             self.scheduler.add(c.seq)
+        for aid in state.completions[0].seq.adapter_ids:  # n >= 1 completions
+            self.registry.count_request(aid)
 
     def owner(self, completion_id: str) -> tuple[RequestState, Completion]:
         return self._owners[completion_id]
@@ -281,9 +283,10 @@ class RequestTracker:
                 self.abort(owner[0].request_id, exc)
 
     def fail_adapter(self, adapter_id: int, error: Exception) -> None:
-        """End every request of an adapter whose weights could not be loaded, with `error`."""
+        """End every request that runs with an adapter whose weights could not be loaded
+        (alone or composed), with `error`."""
         for state in list(self.requests.values()):
-            if state.lora_request is not None and state.lora_request.lora_int_id == adapter_id:
+            if any(adapter_id in c.seq.adapter_ids for c in state.completions):
                 self.abort(state.request_id, error)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
@@ -297,8 +300,8 @@ class RequestTracker:
         state, c = self._owners.pop(seq.completion_id)
         if c.detok.stopped is None:
             c.detok.finish()  # release the text held back for stop strings and UTF-8
-        if seq.adapter_id is not None:
-            drained = self.registry.remove_user(seq.adapter_id)
+        for aid in seq.adapter_ids:
+            drained = self.registry.remove_user(aid)
             if drained is not None:
                 self.scheduler.pool.drop_adapter(drained)
         if state.finished:  # (every status may have been set by the same on_step_done)

@@ -7,7 +7,11 @@ returns those that finished (pages freed, adapter pins released). `add(seq)` and
 named by completion id; Sequence.adapter_id is the registry's int adapter id (None = base)
 and Sequence.adapter_pages = registry.num_pages_needed(adapter_id). The engine validates a
 request before it builds its sequences (engine/request.py: check_request), so everything
-here that is wrong is a bug: assertions, not errors.
+here that is wrong is a bug: assertions, not errors. A composed request's sequences have
+Sequence.composition instead ((adapter id, pages, weight) per adapter): everything below that
+says "its adapter" means every adapter it runs with (Sequence.adapters): each is pinned while
+it runs, counts in the active set, and gets a slot; its rows form one segment per distinct
+composition in the step (StepPlan.segments).
 
 Rules of schedule() (every step, Orca-style continuous batching):
 1. Decode first: every running sequence with one pending token runs it, oldest first. When
@@ -19,11 +23,12 @@ Rules of schedule() (every step, Orca-style continuous batching):
    remaining token budget (max_num_batched_tokens). Their blocks were allocated at admission.
 3. Admission (skipped in a step that preempted, so a victim is not re-admitted at once): the
    waiting queue is walked in order (preempted first, then arrival), while the step has
-   budget and fewer than max_num_seqs run. A request is admitted when its adapter is active
-   or the active set (distinct adapters of running requests; base never counts) has fewer
-   than max_loras, AND the pool can give KV blocks for ALL its tokens plus its adapter's
-   pages (pool.can_admit). Its first chunk runs this step. Memory is FIFO: a request that
-   does not fit stops the walk, so later small requests cannot starve a long prompt.
+   budget and fewer than max_num_seqs run. A request is admitted when its adapters not yet
+   active fit in the active set (distinct adapters of running requests; base never counts)
+   without passing max_loras, AND the pool can give KV blocks for ALL its tokens plus its
+   adapters' pages (pool.can_admit_all). Its first chunk runs this step. Memory is FIFO: a
+   request that does not fit stops the walk, so later small requests cannot starve a long
+   prompt.
    Adapter fairness: a request blocked only by the max_loras cap may be passed over by later
    requests of active adapters (or base), but only in max_adapter_wait_steps steps; after
    that the walk stops at it, active adapters drain, and the first slot that frees goes to
@@ -166,27 +171,27 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or step.budget == 0:
                 break
-            aid = seq.adapter_id
-            if aid is not None and aid not in active and len(active) >= self.config.max_loras:
+            new = [a for a in seq.adapter_ids if a not in active]
+            if new and len(active) + len(new) > self.config.max_loras:
                 if self._cap_waits.get(seq.completion_id, 0) >= self.config.max_adapter_wait_steps:
                     break  # it has waited long enough: let active adapters drain for it
                 blocked = blocked or seq
                 continue
             kv_pages = seq.blocks_needed(self.config.block_size)
-            if not self.pool.can_admit(kv_pages, aid, seq.adapter_pages):
+            if not self.pool.can_admit_all(kv_pages, seq.adapters):
                 break
             self._admit(seq, step)
-            if aid is not None:
-                active.add(aid)
+            active.update(new)
         if blocked is not None and blocked.status is SequenceStatus.WAITING:
             cid = blocked.completion_id
             self._cap_waits[cid] = self._cap_waits.get(cid, 0) + 1
 
     def _admit(self, seq: Sequence, step: _Step) -> None:
-        if seq.adapter_id is not None:
-            _, needs_load = self.pool.acquire_adapter(seq.adapter_id, seq.adapter_pages)
+        # resident adapters first: pinned, they cannot be evicted to load the others
+        for aid, pages in sorted(seq.adapters, key=lambda a: not self.pool.is_resident(a[0])):
+            _, needs_load = self.pool.acquire_adapter(aid, pages)
             if needs_load:
-                step.loaded.add(seq.adapter_id)
+                step.loaded.add(aid)
         self._grow(seq)
         self.waiting.remove(seq)
         self._cap_waits.pop(seq.completion_id, None)
@@ -196,13 +201,12 @@ class Scheduler:
 
     def _prefetch(self) -> list[StepAdapter]:
         out: list[StepAdapter] = []
-        for seq in self.waiting:
-            aid = seq.adapter_id
+        for aid, n in (a for seq in self.waiting for a in seq.adapters):
             if len(out) >= self.config.max_loras:
                 break
-            if aid is None or self.pool.is_resident(aid):
+            if self.pool.is_resident(aid):
                 continue
-            pages = self.pool.prefetch_adapter(aid, seq.adapter_pages)
+            pages = self.pool.prefetch_adapter(aid, n)
             if pages is None:
                 break
             out.append(StepAdapter(BASE_SLOT, aid, tuple(pages), needs_load=True))
@@ -211,13 +215,13 @@ class Scheduler:
     def _plan(self, step: _Step, preempted: list[str], prefetch: list[StepAdapter]) -> StepPlan:
         slots: dict[Hashable, int] = {}
         for seq, _ in step.items:
-            if seq.adapter_id is not None:
-                slots.setdefault(seq.adapter_id, len(slots))
+            for aid in seq.adapter_ids:
+                slots.setdefault(aid, len(slots))
         adapters = [
             StepAdapter(slot, aid, tuple(self.pool.adapter_pages(aid)), aid in step.loaded)
             for aid, slot in slots.items()
         ]
-        entries = [_entry(seq, n, slots.get(seq.adapter_id, BASE_SLOT)) for seq, n in step.items]
+        entries = [_entry(seq, n, slots) for seq, n in step.items]
         return make_plan(entries, adapters, preempted, prefetch)
 
     # ---- after the step ---------------------------------------------------------------------
@@ -274,7 +278,7 @@ class Scheduler:
     # ---- page bookkeeping -------------------------------------------------------------------
 
     def _active(self) -> set[Hashable]:
-        return {s.adapter_id for s in self.running if s.adapter_id is not None}
+        return {aid for s in self.running for aid in s.adapter_ids}
 
     def _grow(self, seq: Sequence) -> None:
         need = seq.blocks_needed(self.config.block_size)
@@ -285,8 +289,8 @@ class Scheduler:
         """Give back a running sequence's KV pages and adapter pin."""
         self.pool.free_kv(seq.block_table)
         seq.block_table = []
-        if seq.adapter_id is not None:
-            self.pool.release_adapter(seq.adapter_id)
+        for aid in seq.adapter_ids:
+            self.pool.release_adapter(aid)
         self.running.remove(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -302,8 +306,9 @@ class Scheduler:
         self._cap_waits.pop(seq.completion_id, None)
 
 
-def _entry(seq: Sequence, n: int, slot: int) -> ScheduledSeq:
-    """The plan entry of a chunk of n tokens starting at seq.num_computed_tokens."""
+def _entry(seq: Sequence, n: int, slots: Mapping[Hashable, int]) -> ScheduledSeq:
+    """The plan entry of a chunk of n tokens starting at seq.num_computed_tokens; slots: the
+    step's slot of each adapter."""
     start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
     sample = end == seq.num_tokens
     rows: list[int] = []
@@ -318,8 +323,9 @@ def _entry(seq: Sequence, n: int, slot: int) -> ScheduledSeq:
         token_ids=tuple(seq.token_ids[start:end]),
         start_pos=start,
         block_table=tuple(seq.block_table),
-        slot=slot,
+        slot=slots.get(seq.adapter_id, BASE_SLOT),
         logit_rows=tuple(rows),
         sample=sample,
         num_prompt_logit_rows=num_prompt_rows,
+        terms=tuple((slots[aid], w) for aid, _, w in seq.composition),
     )

@@ -53,10 +53,13 @@ class Sequence:
     completion_id:         unique id (str) of the completion
     prompt_token_ids:      non-empty list of token ids
     max_tokens:            output tokens at most (the sampling params' max_tokens)
-    adapter_id:            hashable adapter id, None = base model
+    adapter_id:            hashable adapter id, None = base model (or a composition)
     adapter_pages:         pool pages the adapter occupies (from the adapter registry)
     sampling_params:       opaque to the scheduler; carried for the engine and sampler
     wants_prompt_logprobs: return logits of every prompt row (for prompt_logprobs)
+    composition:           ((adapter id, pages, weight), ...) of a composed request (its rows
+                           get sum_i w_i * adapter_i); adapter_id is None then. Every composed
+                           adapter is pinned while it runs and counts against max_loras.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Sequence:
         adapter_pages: int = 0,
         sampling_params: Any = None,
         wants_prompt_logprobs: bool = False,
+        composition: SeqOf[tuple[Hashable, int, float]] = (),
     ):
         self.completion_id = completion_id
         self.prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
@@ -77,6 +81,7 @@ class Sequence:
         self.adapter_pages = adapter_pages
         self.sampling_params = sampling_params
         self.wants_prompt_logprobs = wants_prompt_logprobs
+        self.composition = tuple((aid, pages, float(w)) for aid, pages, w in composition)
         self.arrival = -1  # set by Scheduler.add: admission and preemption order
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -89,6 +94,21 @@ class Sequence:
         self.stop_reason: int | str | None = None
         assert self.prompt_token_ids and self.max_tokens >= 1, f"unchecked request: {self}"
         assert adapter_id is None or adapter_pages >= 1, f"adapter without pages: {self}"
+        assert adapter_id is None or not composition, f"an adapter and a composition: {self}"
+        assert all(pages >= 1 for _, pages, _ in self.composition), f"adapter without pages: {self}"
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> tuple[tuple[Hashable, int], ...]:
+        """(adapter id, pages) of every adapter it runs with: none, its one, or the composed."""
+        if self.composition:
+            return tuple((aid, pages) for aid, pages, _ in self.composition)
+        return () if self.adapter_id is None else ((self.adapter_id, self.adapter_pages),)
+
+    @property
+    def adapter_ids(self) -> tuple[Hashable, ...]:
+        return tuple(aid for aid, _ in self.adapters)
 
     # ---- derived sizes ----------------------------------------------------------------------
 
@@ -134,7 +154,8 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.completion_id!r}, {self.status.name}, adapter={self.adapter_id!r}, "
+            f"Sequence({self.completion_id!r}, {self.status.name}, "
+            f"adapter={self.composition or self.adapter_id!r}, "
             f"tokens={self.num_prompt_tokens}+{len(self.output_token_ids)}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )

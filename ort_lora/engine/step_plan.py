@@ -8,6 +8,9 @@ a plan by hand, for running the model without a scheduler (export --verify, test
 Ordering: entries are sorted by adapter slot, base requests (slot -1) FIRST, so every
 adapter's tokens are one contiguous LoRA segment. Slots are 0..k-1 over this step's
 distinct adapters. Within a slot, entries keep the scheduler's order (decodes first).
+Composed entries (several adapters with weights: `terms`, slot -1) come last, grouped by
+their terms, one segment per distinct composition; `plan.segments` gives every segment's
+(slot, weight) terms for AdapterRegistry.lora_step_inputs.
 
 Logits: each entry lists `logit_rows`, offsets inside its chunk whose logits the graph
 returns, in order; the step's `logits` output has one row per listed offset, entry after
@@ -42,6 +45,12 @@ class ScheduledSeq:
     sample: bool  # the chunk reaches the end of the tokens: sample from the last logit row
     num_prompt_logit_rows: int = 0  # leading logit_rows that are prompt-logprob rows
     logits_offset: int = 0  # index of this entry's first row in the step's logits output
+    terms: tuple[tuple[int, float], ...] = ()  # a composed entry's (slot, weight); slot -1
+
+    @property
+    def segment_key(self) -> tuple:
+        """Entries of one LoRA segment share it; sorts base, slots 0..k-1, compositions."""
+        return (1, self.terms) if self.terms else (0, self.slot)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +103,20 @@ class StepPlan:
         return [(a.slot, a.adapter_id, a.pages) for a in self.adapters]
 
     @property
+    def has_composition(self) -> bool:
+        return any(e.terms for e in self.entries)
+
+    @property
+    def segments(self) -> list[list[tuple[int, float]]]:
+        """Every LoRA segment's (slot, weight) terms, in lora_seg_starts order: [] for base
+        rows, [(slot, 1.0)] for one adapter's, the terms of a composed segment."""
+        out = []
+        for i in _segment_firsts(self.entries):
+            e = self.entries[i]
+            out.append(list(e.terms) if e.terms else [] if e.slot < 0 else [(e.slot, 1.0)])
+        return out
+
+    @property
     def loads(self) -> tuple[StepAdapter, ...]:
         """Adapters whose weights must be copied into their pages before this step runs."""
         return tuple(a for a in self.adapters if a.needs_load)
@@ -105,9 +128,10 @@ def make_plan(
     preempted: Iterable[str] = (),
     prefetch: Iterable[StepAdapter] = (),
 ) -> StepPlan:
-    """Sort entries by slot (stable, base first) and set each entry's logits_offset."""
+    """Sort entries by segment (stable: base first, then slots, then compositions) and set
+    each entry's logits_offset."""
     ordered, offset = [], 0
-    for e in sorted(entries, key=lambda e: e.slot):
+    for e in sorted(entries, key=lambda e: e.segment_key):
         ordered.append(replace(e, logits_offset=offset))
         offset += len(e.logit_rows)
     slots = sorted(adapters, key=lambda a: a.slot)
@@ -175,7 +199,8 @@ def build_metadata(
       past_seqlens int32 [B], block_table int32 [B, W] padded with -1 (W = max_blocks or the
       longest table), slot_mapping int32 [T], attention_metadata int32 [3] (max new tokens,
       max kv length, max kv length), logits_indices int64 [R],
-      lora_seg_starts int32 [S+1], lora_seg_slots int32 [S] (one segment per slot, -1 = base).
+      lora_seg_starts int32 [S+1], lora_seg_slots int32 [S] (one segment per slot, -1 = base
+      or composed: the registry's lora_step_inputs(..., plan.segments) fills those in).
     """
     if plan.is_empty:
         raise ValueError("build_metadata: the plan schedules no sequence")
@@ -220,8 +245,15 @@ def _block_table(entries, block_size: int, max_blocks: int | None) -> np.ndarray
     return table
 
 
+def _segment_firsts(entries) -> list[int]:
+    """Index of the first entry of each run of equal segment keys (entries are sorted)."""
+    keys = [e.segment_key for e in entries]
+    return [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
+
+
 def _segments(entries, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One token segment per run of equal slots: starts [S+1] and slots [S]."""
-    slots = np.array([e.slot for e in entries], np.int64)  # [B], sorted
-    first = np.flatnonzero(np.concatenate([[True], slots[1:] != slots[:-1]]))  # [S]
-    return np.append(cu[first], cu[-1]), slots[first]
+    """One token segment per run of equal segment keys: starts [S+1] and slots [S] (-1 for
+    base and composed segments)."""
+    first = np.array(_segment_firsts(entries), np.int64)  # [S]
+    slots = np.array([entries[i].slot for i in first], np.int64)  # [S]
+    return np.append(cu[first], cu[-1]), slots
