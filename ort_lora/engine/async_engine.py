@@ -195,13 +195,14 @@ class AsyncEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | list[LoRARequest] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs after each step that advanced the request; the last has
-        finished=True. The adapter must be registered (add_lora): a name unloaded meanwhile
-        is not found. Errors of the request (RequestError, AdapterError, QueueFullError,
-        EngineError, EngineUnavailable) are raised; leaving the loop early aborts it."""
+        finished=True. The adapter (or each of a composition's: a list, with their weights)
+        must be registered (add_lora): a name unloaded meanwhile is not found. Errors of the
+        request (RequestError, AdapterError, QueueFullError, EngineError, EngineUnavailable)
+        are raised; leaving the loop early aborts it."""
         rid = request_id or uuid.uuid4().hex
         if self.error is not None:
             raise self.error

@@ -21,7 +21,11 @@ def engine_stats(
         aid = r.lora_int_id
         where = "device" if pool.is_resident(aid) else "host" if aid in cached else "none"
         counters = pool.adapter_counters.get(aid, {})
-        adapters[r.lora_name] = {"resident": where, **{k: counters.get(k, 0) for k in COUNTERS}}
+        adapters[r.lora_name] = {
+            "resident": where,
+            **{k: counters.get(k, 0) for k in COUNTERS},
+            "requests": registry.request_counts.get(aid, 0),  # alone or composed
+        }
     return {
         "running": sched.num_running,
         "waiting": sched.num_waiting,

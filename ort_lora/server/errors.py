@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, CompositionError
 from ort_lora.errors import EngineError, EngineUnavailable, QueueFullError, internal_error
 
 ERROR_TYPES = {
@@ -75,6 +75,8 @@ def api_error(exc: BaseException, context: str = "request") -> APIError:
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, CompositionError):  # the adapters composed, as the engine checks them
+        return APIError(400, str(exc), param="model", code="invalid_composition")
     if isinstance(exc, AdapterError):  # registered, but its files no longer load
         return adapter_load_failed(exc)
     if isinstance(exc, ValueError):  # the engine's check of the request (RequestError)

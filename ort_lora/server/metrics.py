@@ -63,6 +63,7 @@ def _adapter_families(adapters: dict[str, dict]):
             ("evictions", "Adapter evictions from pool pages"),
             ("hits", "Requests that found their adapter resident in the pool"),
             ("misses", "Requests that had to load their adapter"),
+            ("requests", "Requests served with the adapter, alone or in a composition"),
         )
     }
     for name, info in sorted(adapters.items()):

@@ -146,10 +146,20 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class AdapterTerm(_Request):
+    """One adapter of a composed request (`adapters`): its name and weight (finite)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    weight: float = 1.0
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, max_length=1024)
+    # ort-lora's extra (an extra_body field for OpenAI clients): compose adapters, each
+    # weighted; `model` is then omitted, the base model's name, or the names joined by "+"
+    adapters: list[AdapterTerm] | None = Field(None, max_length=64)
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import Request
@@ -31,6 +31,7 @@ from ort_lora.server.structured import OutputSpec, output_spec
 from ort_lora.tokenizer import ChatTemplateError, read_chat_template
 
 DISCONNECT_POLL_S = 0.25
+Lora = LoRARequest | list[LoRARequest] | None  # a list: adapters composed, with their weights
 logger = logging.getLogger("ort_lora.server")
 
 
@@ -74,17 +75,66 @@ class OpenAIServing:
 
     # -- model and prompt resolution ------------------------------------------------------------
 
-    async def resolve_model(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names; None for the base model; else 404."""
+    async def resolve_model(self, name: str | None) -> Lora:
+        """The adapter a request's `model` names; None for the base model; for "a+b" the
+        adapters composed, weight 1 each (400 if one is not served); else 404."""
         if name is None or name == self.base_name:
             return None
         for lora in self.engine.list_loras():  # a snapshot: never waits for a step
             if lora.lora_name == name:
                 return lora
-        raise model_not_found(name)
+        if "+" not in name:  # adapter names never hold "+" (registry.NAME_RE)
+            raise model_not_found(name)
+        return self._composed([(part, 1.0) for part in name.split("+")], "model")
 
-    def chat_template_for(self, lora: LoRARequest | None) -> str | None:
-        """An adapter's own chat template wins over the model's."""
+    async def resolve_adapters(self, req) -> Lora:
+        """What a completion runs with: its `adapters` (a composition: `model` omitted, the
+        base model's name or the names joined by "+"), else what its `model` names."""
+        if req.adapters is None:
+            return await self.resolve_model(req.model)
+        names = [a.name for a in req.adapters]
+        if not names:
+            raise bad_request("adapters: a composition names no adapter: expected one or more",
+                              "adapters")  # fmt: skip
+        if req.model not in (None, self.base_name, "+".join(names)):
+            raise bad_request(
+                f"model {req.model!r} disagrees with adapters {names}: with adapters, model is "
+                f"omitted, the base model's name or {'+'.join(names)!r}",
+                "model",
+            )
+        return self._composed([(a.name, a.weight) for a in req.adapters], "adapters")
+
+    def _composed(self, terms: list[tuple[str, float]], param: str) -> list[LoRARequest]:
+        """The served adapters of a composition's (name, weight) terms; 400 naming an empty
+        or unknown name. The engine checks the rest (count, repeats, DoRA)."""
+        served = {lora.lora_name: lora for lora in self.engine.list_loras()}
+        out = []
+        for name, weight in terms:
+            if name not in served:
+                what = f"adapter {name!r}" if name else "an empty adapter name"
+                raise APIError(
+                    400,
+                    f"{param}: {what} in the composition is not served (adapters: "
+                    f"{sorted(served)[:20]})",
+                    param=param,
+                    code="model_not_found",
+                )
+            out.append(replace(served[name], weight=weight))
+        return out
+
+    def model_label(self, req, lora: Lora) -> str:
+        """The `model` a response and its metrics name: a composition's adapter names joined
+        by "+", else the request's model (or the base model's name)."""
+        if isinstance(lora, list):
+            return "+".join(r.lora_name for r in lora)
+        return req.model or self.base_name
+
+    def chat_template_for(self, lora: Lora) -> str | None:
+        """An adapter's own chat template wins over the model's; a composition's adapters'
+        when they all carry the same one."""
+        if isinstance(lora, list):
+            templates = {self.chat_template_for(r) for r in lora}
+            return templates.pop() if len(templates) == 1 else None
         if lora is None:
             return None
         if lora.lora_path not in self._templates:
@@ -111,8 +161,9 @@ class OpenAIServing:
         return _Job(index, request_id, prompt_ids, first, agen, timer)
 
     async def _open_all(
-        self, raw, prompts, params, lora, request_id, model, spec: OutputSpec | None = None
-    ) -> list[_Job]:
+        self, raw, prompts, params, lora, request_id, model, spec: OutputSpec | None = None,
+        lora_param: str = "model",
+    ) -> list[_Job]:  # fmt: skip
         opens = [
             self._open(i, ids, p, lora, f"{request_id}-{i}", model)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -129,6 +180,8 @@ class OpenAIServing:
             if isinstance(error, APIError) and error.param == "structured_outputs" and spec:
                 error.param = spec.param  # the field the constraint came from
                 error.message = error.message.replace("structured_outputs", spec.param, 1)
+            if isinstance(error, APIError) and error.code == "invalid_composition":
+                error.param = lora_param  # the field the composition came from
             raise error
         return results
 
@@ -166,16 +219,17 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_fields(req)
-        lora = await self.resolve_model(req.model)
+        lora = await self.resolve_adapters(req)
         self._check_count(len(req.prompts()))
         spec = output_spec(req)
         prompts = await run_in_threadpool(self._encode_all, req.prompts())
         # max_tokens 0 (an echo of the prompt alone): one token is made and not shown
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         params = [_sampling(req, max_tokens, spec) for _ in prompts]
-        model = req.model or self.base_name
+        model = self.model_label(req, lora)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        jobs = await self._open_all(raw, prompts, params, lora, request_id, model, spec)
+        where = "adapters" if req.adapters is not None else "model"
+        jobs = await self._open_all(raw, prompts, params, lora, request_id, model, spec, where)
         texts = [p if isinstance(p, str) else None for p in req.prompts()]
         tok = self.engine.tokenizer
         shown = [(t if t is not None else tok.decode(ids), ids) for t, ids in zip(texts, prompts)]
@@ -222,13 +276,14 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_fields(req)
-        lora = await self.resolve_model(req.model)
+        lora = await self.resolve_adapters(req)
         spec = output_spec(req, self.tool_call_parser)
         prompt = await run_in_threadpool(self.render, req, lora, spec.tools)
         params = [_sampling(req, req.requested_max_tokens(), spec)]
-        model = req.model or self.base_name
+        model = self.model_label(req, lora)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model, spec)
+        where = "adapters" if req.adapters is not None else "model"
+        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model, spec, where)
         fmt = ChatFormat(self, req, request_id, model, spec)
         if req.stream:
             return _sse_response(fmt.stream(jobs))
@@ -237,7 +292,7 @@ class OpenAIServing:
         )
         return JSONResponse(fmt.full(jobs[0], final))
 
-    def render(self, req, lora: LoRARequest | None, tools: list[dict]) -> list[int]:
+    def render(self, req, lora: Lora, tools: list[dict]) -> list[int]:
         """A chat request's prompt ids (chat completions, /tokenize): its messages and tools
         rendered by the request's template (only with --trust-request-chat-template), else
         the adapter's or the model's (bounded in time and size, chat_template.py), then
@@ -260,7 +315,7 @@ class OpenAIServing:
             raise bad_request(str(exc), param) from exc
         return tok.encode(text, add_special_tokens=False)
 
-    def tokenize(self, body, lora: LoRARequest | None) -> list[int]:
+    def tokenize(self, body, lora: Lora) -> list[int]:
         """/tokenize's ids: the prompt, or the messages as a chat request would render them."""
         if body.prompt is not None:
             return self.engine.tokenizer.encode(body.prompt, body.add_special_tokens)
