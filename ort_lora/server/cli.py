@@ -98,7 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests bring their own chat_template (rendered sandboxed, bounded)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = p.add_argument_group("scale-out on a Ray cluster (docs/SCALE_OUT.md)")
+    ray.add_argument("--ray", action="store_true", help="serve replicas through Ray Serve")
+    ray.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
+    ray.add_argument(
+        "--max-adapters-per-replica", type=int, help="adapters one replica holds (default 8)"
+    )
+    ray.add_argument("--replica-cpus", type=float, help="CPUs Ray reserves per replica (1)")
+    ray.add_argument(
+        "--ray-address", help="default: start a local Ray; auto: join the running cluster"
+    )
+    ray.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        help="requests Ray sends one replica at once; more go to other replicas (default "
+        "--max-num-seqs or 64)",
+    )
+    ray.add_argument(
+        "--ray-routing",
+        choices=["adapter", "default"],
+        help="adapter (default): an adapter's requests go to replicas holding it; "
+        "default: Ray's power-of-two routing (the baseline)",
+    )
     return p
+
+
+RAY_ONLY = ("num_replicas", "max_adapters_per_replica", "replica_cpus", "ray_address")
+RAY_ONLY += ("max_ongoing_requests", "ray_routing")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -164,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         root = args.adapter_root
         print(f"ort-lora serve: --adapter-root {root} is not a directory", file=sys.stderr)
         return 2
+    given = [f"--{n.replace('_', '-')}" for n in RAY_ONLY if getattr(args, n) is not None]
+    if given and not args.ray:
+        print(f"ort-lora serve: {', '.join(given)} need --ray", file=sys.stderr)
+        return 2
+    if args.ray:
+        from ort_lora.server.ray_serve import serve_on_ray
+
+        return serve_on_ray(args, *resolve_model(args), engine_overrides(args))
     try:
         app = build_app(args)
     except (ValueError, FileNotFoundError, OSError, CudaError) as exc:

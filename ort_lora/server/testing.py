@@ -61,14 +61,17 @@ class ServeProcess:
     """Context manager: `python -m ort_lora.cli serve ARGS --port P` in a subprocess, waits
     for /health, yields the base URL, terminates the server on exit."""
 
-    def __init__(self, args: list[str], env: dict | None = None, startup_timeout_s=180.0):
+    def __init__(
+        self, args: list[str], env: dict | None = None, startup_timeout_s=180.0, port=None
+    ):
         self.args = list(args)
         self.env = env
         self.startup_timeout_s = startup_timeout_s
+        self.port = port  # None: a free one
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
-        port = free_port()
+        port = self.port or free_port()
         cmd = [sys.executable, "-m", "ort_lora.cli", "serve", *self.args, "--port", str(port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         self.proc = subprocess.Popen(cmd, env=env)
