@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from ort_lora.bench import assets, peers, plan
+from ort_lora.bench import assets, cluster, peers, plan
 from ort_lora.bench.output import write_outputs
 
-ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS))
+ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS)) + plan.CLUSTER_SYSTEMS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +104,9 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
         systems[:] = [s for s in systems if s not in plan.GENAI_SYSTEMS]
     built["vocab_size"] = json.loads((hf / "config.json").read_text())["vocab_size"]
     _peer_venvs(args, systems, models, notes)
+    if plan.CLUSTER_SYSTEMS[0] in systems and (why := cluster.unavailable()):
+        notes.append(why)
+        systems.remove(plan.CLUSTER_SYSTEMS[0])
     return built
 
 
@@ -202,7 +205,7 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
         models, adapters = built["models"], built["adapters"]
         if "model" in run:  # the scale experiment's bigger model
             models, adapters = built[run["model"]]["models"], built[run["model"]]["adapters"]
-        if run["experiment"] == "registered":
+        if run["experiment"] in ("registered", "cluster"):  # many names, files linked
             adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
         spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)
         key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ort_lora.bench import plots, report
+from ort_lora.bench import cluster, plots, report
 
 SCHEMA = 1
 ROW_KEYS = (
@@ -90,6 +90,7 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
     if grammar:
         title = "structured outputs: step time by phase"
         pngs.append(plots.step_phases_plot(grammar, title, out / "grammar_steps.png"))
+    pngs += cluster.plots_of(report.rows_of(results, "cluster"), out)
     return pngs
 
 
@@ -136,6 +137,7 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
         if rows and exp == "grammar":
             lines += ["Step time at the most sequences, by engine phase:", ""]
             lines += [report.phases_table(rows), ""]
+    lines += cluster.markdown(report.rows_of(results, "cluster"))
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 

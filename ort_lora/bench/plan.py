@@ -11,6 +11,8 @@ quant       int4 base weights (issue 13), both shapes: ort-lora int4 mixed and b
             base, alternated; decode-heavy also `ort-lora serve` on the int4 export (memory)
 scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
             uniform and base, and vLLM mixed, on a shorter decode-heavy shape
+cluster     S-LoRA's trace over 64 adapters through `ort-lora serve --ray` (2 replicas on a
+            local Ray cluster), adapter routing vs Ray's default routing (bench/cluster.py)
 grammar     ort-lora with every request's output under a JSON schema of its own, next to
             the same requests unconstrained (the cost of grammar masking per step)
 """
@@ -33,6 +35,7 @@ class Scale:
     registered: tuple[int, ...]
     trace: dict
     scale: dict | None = None  # the bigger model's workload (None: no scale experiment)
+    cluster: dict | None = None  # the Ray cluster's trace and replicas (None: no cluster runs)
 
 
 # Issue 7's shapes exactly: targets are stated at 8 prompt + 64 new tokens (decode-heavy) and
@@ -44,6 +47,17 @@ FULL = Scale(
     registered=(5, 100, 1000),
     trace=dict(n=24, rate=2.0, cv=1.0, prompt_range=(8, 64), output_range=(8, 32)),
     scale=dict(model="llama1b", n=16, prompt=8, new=32),
+    cluster=dict(
+        n=512,
+        rate=1.5,
+        cv=1.0,
+        prompt_range=(8, 64),
+        output_range=(8, 32),
+        adapters=64,
+        replicas=2,
+        max_adapters_per_replica=40,
+        pool_mb=1024,
+    ),
 )
 QUICK = Scale(
     num_requests=8,
@@ -93,6 +107,9 @@ QUANT_ROWS = (
     ("ort-lora", "ort-lora float32 base", "base", "ort_lora"),
 )
 QUANT_HTTP_ROW = ("ort-lora-http", "ort-lora HTTP int4 mixed", "uniform", "ort_lora_int4")
+# systems that start a Ray cluster of their own (bench/cluster.py)
+CLUSTER_SYSTEMS = ("ort-lora-ray",)
+EXPERIMENTS += ("cluster",)
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -126,6 +143,7 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
     w = W.popularity_workload("base", n, plen_prefill, 1, vocab_size, 0, seed)
     runs.append(_run("ort-lora", "ort-lora base prefill", "prefill", w, sgemm=True))
     runs += _scale_runs(scale, vocab_size, seed)
+    runs += _cluster_runs(scale, vocab_size, seed)
     runs += _quant_runs(scale, vocab_size, seed)
     plen, new = next(iter(scale.shapes.values()))
     constrained = W.json_schema_workload(n, plen, new, vocab_size, a, seed)
@@ -160,6 +178,20 @@ def _quant_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
             w = W.popularity_workload(pattern, n, plen, new, vocab_size, a, seed)
             runs.append(_run(system, label, f"quant/{shape}", w, model=model))
     return runs
+
+
+def _cluster_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
+    """The trace through a Ray cluster, adapter routing first, then Ray's default routing."""
+    c = scale.cluster
+    if c is None:
+        return []
+    keys = ("n", "rate", "cv", "prompt_range", "output_range")
+    trace = W.slora_trace(*(c[k] for k in keys), vocab_size, c["adapters"], seed)
+    options = {k: c[k] for k in ("replicas", "max_adapters_per_replica", "pool_mb")}
+    return [
+        _run("ort-lora-ray", f"ort-lora Ray, {r} routing", "cluster", trace, routing=r, **options)
+        for r in ("adapter", "default")
+    ]
 
 
 def _run(system: str, label: str, experiment: str, workload: W.Workload, **options) -> dict:

@@ -13,4 +13,5 @@ RUNNERS = {
     "genai-multilora": "ort_lora.bench.systems.genai",
     "vllm": "ort_lora.bench.systems.vllm_peer",
     "vllm-http": "ort_lora.bench.systems.vllm_peer",
+    "ort-lora-ray": "ort_lora.bench.systems.ray_cluster",
 }
