@@ -121,3 +121,33 @@ def test_json_schema_workload():
         jsonschema.Draft202012Validator.check_schema(r.schema)
     assert W.Workload.from_json(json.loads(json.dumps(w.to_json()))) == w
     assert w.expected_tokens == (12, 480) and free.expected_tokens == 480
+
+
+def test_composed_workload_and_the_variants_runs():
+    """Request i composes adapters i and i + 1 (mod the count) over the uniform pattern's
+    prompts, survives the spec's JSON round trip, and the engine system gives it the list of
+    both LoRARequests at weight 1/2; the variants experiment alternates its rows twice, the
+    DoRA row marked for the DoRA copies of the adapters."""
+    from ort_lora.bench import plan
+    from ort_lora.bench.systems.ort_lora_engine import _lora_of
+    from ort_lora.lora_request import LoRARequest
+
+    w = W.composed_workload(6, 5, 4, VOCAB, num_adapters=4, k=2, seed=1)
+    free = W.popularity_workload("uniform", 6, 5, 4, VOCAB, num_adapters=4, seed=1)
+    assert [r.prompt_ids for r in w.requests] == [r.prompt_ids for r in free.requests]
+    assert [(r.adapter, r.compose) for r in w.requests][3:5] == [(3, (0,)), (0, (1,))]
+    assert W.Workload.from_json(json.loads(json.dumps(w.to_json()))) == w
+    loras = [LoRARequest(f"a{i}", i + 1, f"/a{i}") for i in range(4)]
+    assert [(r.lora_name, r.weight) for r in _lora_of(w.requests[3], loras)] == [
+        ("a3", 0.5), ("a0", 0.5)
+    ]  # fmt: skip
+    assert _lora_of(free.requests[3], loras) is loras[3]
+    with pytest.raises(ValueError, match=r"k must be in \[1, num_adapters = 4\], got 5"):
+        W.composed_workload(6, 5, 4, VOCAB, num_adapters=4, k=5)
+    runs = [
+        r
+        for r in plan.experiments(plan.QUICK, VOCAB, {"ort-lora"})
+        if r["experiment"] == "variants"
+    ]
+    assert [r["label"] for r in runs] == list(plan.VARIANT_ROWS) * 2
+    assert [bool(r["options"].get("dora")) for r in runs] == [False, True, False, False] * 2

@@ -137,23 +137,31 @@ def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = 
     return out
 
 
-def random_adapters(hf: Path, cache: Path, count: int, rank: int, seed: int) -> list[Path]:
-    """`count` random PEFT adapters (rank `rank`, all seven linear modules), seeded by index."""
-    root = cache / f"adapters_r{rank}_s{seed}"
+def random_adapters(
+    hf: Path, cache: Path, count: int, rank: int, seed: int, dora: bool = False
+) -> list[Path]:
+    """`count` random PEFT adapters (rank `rank`, all seven linear modules), seeded by index.
+    dora: DoRA adapters (use_dora) with the same A and B as the plain ones, and PEFT's
+    magnitude at init (||W||_row: the served scale m / ||W + s B A|| is not 1)."""
+    root = cache / (f"adapters_r{rank}_s{seed}" + ("_dora" if dora else ""))
     dirs = [root / f"a{i}" for i in range(count)]
     missing = [i for i, d in enumerate(dirs) if not (d / "adapter_config.json").is_file()]
     if missing:
-        _write_adapters(hf, [dirs[i] for i in missing], missing, rank, seed)
+        _write_adapters(hf, [dirs[i] for i in missing], missing, rank, seed, dora)
     return dirs
 
 
-def _write_adapters(hf: Path, dirs: list[Path], indices: list[int], rank: int, seed: int):
+def _write_adapters(
+    hf: Path, dirs: list[Path], indices: list[int], rank: int, seed: int, dora: bool = False
+):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_MODULES))
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=list(LORA_MODULES), use_dora=dora
+    )
     model = get_peft_model(base, config)
     for d, i in zip(dirs, indices):
         gen = torch.Generator().manual_seed(seed * 100_003 + i)

@@ -207,6 +207,9 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
             models, adapters = built[run["model"]]["models"], built[run["model"]]["adapters"]
         if run["experiment"] in ("registered", "cluster"):  # many names, files linked
             adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
+        if run["options"].get("dora"):  # the same adapters, as DoRA adapters (issue 15)
+            hf, cache, n = models["hf"], built["cache"], len(adapters)
+            adapters = assets.random_adapters(hf, cache, n, args.rank, args.seed, dora=True)
         spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)
         key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])
         if key in done:

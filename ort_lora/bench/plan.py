@@ -15,6 +15,9 @@ cluster     S-LoRA's trace over 64 adapters through `ort-lora serve --ray` (2 re
             local Ray cluster), adapter routing vs Ray's default routing (bench/cluster.py)
 grammar     ort-lora with every request's output under a JSON schema of its own, next to
             the same requests unconstrained (the cost of grammar masking per step)
+variants    ort-lora on the uniform pattern (decode-heavy) with plain LoRA adapters, the same
+            adapters as DoRA adapters, every request composing 2 of them (weight 0.5 each),
+            and base, alternated (issue 15: DoRA's and a second adapter's cost)
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ EXPERIMENTS = (
     "scale",
     "grammar",
     "quant",
+    "variants",
 )
 # rows of the grammar experiment: every output under its own JSON schema, and unconstrained
 GRAMMAR_ROWS = ("ort-lora json_schema", "ort-lora unconstrained")
@@ -110,6 +114,9 @@ QUANT_HTTP_ROW = ("ort-lora-http", "ort-lora HTTP int4 mixed", "uniform", "ort_l
 # systems that start a Ray cluster of their own (bench/cluster.py)
 CLUSTER_SYSTEMS = ("ort-lora-ray",)
 EXPERIMENTS += ("cluster",)
+# rows of the variants experiment: plain LoRA, the same adapters as DoRA, 2 composed per
+# request, and base (what the LoRA part costs, for the composition's goal)
+VARIANT_ROWS = ("ort-lora LoRA", "ort-lora DoRA", "ort-lora 2 composed", "ort-lora base")
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -151,6 +158,7 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
     for k in range(2):  # alternated: a shared machine's load changes during a run
         runs.append(_run("ort-lora", GRAMMAR_ROWS[0], "grammar", constrained, repeat=k))
         runs.append(_run("ort-lora", GRAMMAR_ROWS[1], "grammar", free, repeat=k))
+    runs += _variant_runs(scale, vocab_size, seed)
     return [r for r in runs if r["system"] in systems]
 
 
@@ -198,6 +206,23 @@ def _run(system: str, label: str, experiment: str, workload: W.Workload, **optio
     return dict(
         system=system, label=label, experiment=experiment, workload=workload, options=options
     )
+
+
+def _variant_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
+    """VARIANT_ROWS on the decode-heavy shape, alternated twice (options["dora"]: the run's
+    adapters are the DoRA copies of the plain ones, bench/assets.random_adapters)."""
+    n, a = scale.num_requests, scale.num_adapters
+    plen, new = next(iter(scale.shapes.values()))
+    uniform = W.popularity_workload("uniform", n, plen, new, vocab_size, a, seed)
+    composed = W.composed_workload(n, plen, new, vocab_size, a, 2, seed)
+    base = W.popularity_workload("base", n, plen, new, vocab_size, a, seed)
+    runs = []
+    for k in range(2):  # alternated: a shared machine's load changes during a run
+        workloads = (uniform, uniform, composed, base)
+        for label, w, dora in zip(VARIANT_ROWS, workloads, (0, 1, 0, 0), strict=True):
+            options = {"repeat": k, **({"dora": True} if dora else {})}
+            runs.append(_run("ort-lora", label, "variants", w, **options))
+    return runs
 
 
 def to_spec(run: dict, models: dict, adapters: list, genai_adapters: list, threads: int):

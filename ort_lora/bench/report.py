@@ -102,7 +102,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if mixed is not None and "host_share_at_max_seqs" in mixed["extra"]:
         share = mixed["extra"]["host_share_at_max_seqs"]
         out.append(("host share of a step at max seqs (<=)", share, None, 0.10))
-    return out + _grammar(results)
+    return out + _grammar(results) + _variants(results)
 
 
 def _grammar(results: list[dict]) -> list[tuple]:
@@ -128,6 +128,28 @@ def _grammar(results: list[dict]) -> list[tuple]:
         (f"grammar masking at {n} seqs: step time added / step (<=)", added, None, 0.10),
         (f"grammar masking at {n} seqs: unhidden mask time / step (<=)", wait, None, 0.10),
     ]
+
+
+def _variants(results: list[dict]) -> list[tuple]:
+    """Issue 15, from the fastest run of each row (the least disturbed on a shared machine):
+    DoRA within 5 % of plain LoRA's throughput; 2 composed adapters per request cost one more
+    adapter's LoRA part, no more: time(2) <= 2 time(1) - time(base), i.e. the throughput ratio
+    2 / 1 >= 1 / (2 - LoRA / base)."""
+    from ort_lora.bench.plan import VARIANT_ROWS
+
+    best = {}
+    for label in VARIANT_ROWS:
+        runs = [r for r in rows_of(results, "variants") if r["label"] == label and "error" not in r]
+        if runs:
+            best[label] = max(runs, key=lambda r: r["output_tok_s"])
+    lora, dora, composed, base = (best.get(label) for label in VARIANT_ROWS)
+    out = []
+    if lora is not None and dora is not None:
+        out.append(("DoRA / plain LoRA, same rank, uniform", *_both(dora, lora), 0.95))
+    if lora is not None and composed is not None and base is not None:
+        goal = 1 / (2 - lora["output_tok_s"] / base["output_tok_s"])
+        out.append(("2 composed adapters / 1 adapter, uniform", *_both(composed, lora), goal))
+    return out
 
 
 def phases_table(rows: list[dict]) -> str:

@@ -13,6 +13,7 @@ Prompts are random token ids from the upper part of the vocabulary (no special t
 every request generates exactly max_tokens tokens (EOS ignored) so systems do the same work.
 Structured outputs (issue 12): each request's output follows a JSON schema of its own
 (`json_schema_workload`); it ends when the schema's object is complete or at max_tokens.
+Composition (issue 15): each request runs with k adapters at weight 1/k (`composed_workload`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class BenchRequest:
     adapter: int | None
     arrival_s: float = 0.0
     schema: dict | None = None  # a JSON schema the output must follow
+    compose: tuple[int, ...] = ()  # adapters composed with `adapter`, all at weight 1/k
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Workload:
                 r["adapter"],
                 r["arrival_s"],
                 r.get("schema"),
+                tuple(r.get("compose", ())),
             )
             for r in d["requests"]
         )
@@ -193,3 +196,24 @@ def json_schema_workload(
     w = popularity_workload("uniform", n, prompt_len, max_tokens, vocab_size, num_adapters, seed)
     reqs = tuple(replace(r, schema=request_schema(i)) for i, r in enumerate(w.requests))
     return Workload(f"json-schema-{prompt_len}+{max_tokens}", reqs, w.num_adapters)
+
+
+def composed_workload(
+    n: int,
+    prompt_len: int,
+    max_tokens: int,
+    vocab_size: int,
+    num_adapters: int,
+    k: int,
+    seed: int = 0,
+) -> Workload:
+    """The uniform pattern's requests, request i composing adapters i, i + 1, ..., i + k - 1
+    (mod num_adapters) at weight 1/k each: the same adapters in use as the uniform pattern."""
+    if not 1 <= k <= num_adapters:
+        raise ValueError(f"k must be in [1, num_adapters = {num_adapters}], got {k}")
+    w = popularity_workload("uniform", n, prompt_len, max_tokens, vocab_size, num_adapters, seed)
+    reqs = tuple(
+        replace(r, compose=tuple((r.adapter + j) % num_adapters for j in range(1, k)))
+        for r in w.requests
+    )
+    return Workload(f"composed{k}-{prompt_len}+{max_tokens}", reqs, w.num_adapters)

@@ -93,8 +93,7 @@ def _drive(engine, workload: Workload, loras: list):
             params = SamplingParams(
                 max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, structured_outputs=spec
             )
-            lora = None if r.adapter is None else loras[r.adapter]
-            engine.add_request(str(i), list(r.prompt_ids), params, lora)
+            engine.add_request(str(i), list(r.prompt_ids), params, _lora_of(r, loras))
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, reqs[nxt][1].arrival_s - now))
@@ -106,6 +105,16 @@ def _drive(engine, workload: Workload, loras: list):
             got = times[int(out.request_id)].token_s
             got.extend([stamp] * (len(out.outputs[0].token_ids) - len(got)))
     return times, steps
+
+
+def _lora_of(r, loras: list):
+    """None, the request's adapter, or its composition (k adapters at weight 1/k)."""
+    from dataclasses import replace
+
+    if r.adapter is None or not r.compose:
+        return None if r.adapter is None else loras[r.adapter]
+    chosen = (r.adapter, *r.compose)
+    return [replace(loras[a], weight=1.0 / len(chosen)) for a in chosen]
 
 
 def _step_stats(steps) -> dict:
