@@ -114,3 +114,21 @@ def test_packed_batch_equals_each_sequence_alone(exported, rng):
     np.testing.assert_allclose(
         packed_decode, np.concatenate([a[1] for a in alone]), atol=1e-5, rtol=0
     )
+
+
+def test_tied_head_is_a_second_initializer_over_the_embedding_bytes(tmp_path):
+    """A tied float32 CPU export gives the LM head's Gemm its own initializer over the
+    embedding's bytes in the data file: ORT frees the original of a weight it prepacks unless
+    another node (here the Gather) reads it, so one shared initializer was held twice."""
+    import onnx
+
+    cfg = tiny_config("llama", tie_word_embeddings=True)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=5)
+    out = export_model(ckpt, tmp_path / "export", block_size=BLOCK, progress=False)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    head, embed = inits["lm_head.weight"], inits["model.embed_tokens.weight"]
+    assert embed.external_data and list(head.external_data) == list(embed.external_data)
+    uses = {n.name: list(n.input) for n in model.graph.node}
+    assert uses["/lm_head/Gemm"][1] == "lm_head.weight"
+    assert uses["/model/embed_tokens/Gather"][0] == "model.embed_tokens.weight"

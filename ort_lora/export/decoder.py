@@ -362,14 +362,26 @@ class DecoderBuilder:
             head = "model.embed_tokens.weight" if tied else "lm_head.weight"
             q = self.quantizer.embedding(head, shape)
             logits = self.qgraph.matmul(h, q, head, "/lm_head")  # [N, vocab]
-        else:  # tied: the embedding initializer, reused
-            head = "model.embed_tokens.weight" if tied else self.weight("lm_head.weight", shape)
+        else:
+            head = self.tied_head() if tied else self.weight("lm_head.weight", shape)
             (logits,) = g.node("Gemm", [h, head], "/lm_head/Gemm", transB=1)  # [N, vocab]
         if self.dtype != "float32":
             (logits,) = g.node("Cast", [logits], "/lm_head/Cast", to=1)
         logits = self.final_logits(logits)  # [N, vocab] float32
         g.rename_output(logits, C.LOGITS)
         g.output(C.LOGITS, "float32", ["N", cfg.vocab_size])
+
+    def tied_head(self) -> str:
+        """The LM head's weight when it is the embedding. On CPU (float32) a second initializer
+        over the same bytes of the data file: ORT prepacks the Gemm's weight and frees the
+        original, which it cannot do for an initializer the Gather also reads, so sharing one
+        initializer kept the embedding twice in memory (the prepacked copy and the original,
+        fully read by the prepacking); apart, the Gather's copy stays file-backed and only the
+        rows it reads become resident. CUDA keeps one initializer (one copy on the device)."""
+        embed = "model.embed_tokens.weight"
+        if self.device == "cpu" and self.dtype == "float32":
+            return self.g.alias("lm_head.weight", embed)
+        return embed
 
     def final_logits(self, logits: str) -> str:
         """logits / logits_scaling, then cap * tanh(logits / cap); no node for neutral values."""

@@ -49,6 +49,15 @@ class GraphBuilder:
         self.initializers.append(self.writer.tensor(name, data, elem_type))
         return name
 
+    def alias(self, name: str, source: str) -> str:
+        """Initializer `name` holding the same bytes as initializer `source`: both point at one
+        region of the external-data file (nothing is written twice)."""
+        proto = TensorProto()
+        proto.CopyFrom(next(t for t in self.initializers if t.name == source))
+        proto.name = name
+        self.initializers.append(proto)
+        return name
+
     def constant_i64(self, name: str, values: list[int]) -> str:
         return self.initializer(name, np.asarray(values, dtype=np.int64), "int64")
 
