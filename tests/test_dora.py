@@ -525,3 +525,34 @@ def test_quantized_exports_read_back_as_their_dequantized_blocks(
             want = q.dequantize()  # [out, in]
             np.testing.assert_allclose(base.rows(layer, module, 0, len(want)), want, atol=1e-6)
     assert (offsets > 0) == (source == "gguf"), "GGUF Q4_1 blocks carry a per-block offset"
+
+
+def test_a_reload_after_host_eviction_reuses_the_dora_rows_unless_the_files_changed(
+    dora_adapters, tmp_path
+):
+    """The host cache holds one adapter: the other's reload reads its files again but keeps
+    the DoRA rows computed at registration; after its files change they are recomputed."""
+    root, models = dora_adapters
+    calls = []
+
+    class Counting(TorchBase):
+        def rows(self, layer, module, start, stop):
+            calls.append((layer, module))
+            return super().rows(layer, module, start, stop)
+
+    src = next(iter(models))
+    path = shutil.copytree(root / src, tmp_path / "copy")
+    reg = AdapterRegistry(manifest(), max_cpu_loras=1, base_weights=Counting(models[src]))
+    reg.register(LoRARequest("d1", 1, str(path)))
+    reg.register(LoRARequest("plain", 2, str(root / src)))  # evicts d1 from the host cache
+    first = {m: w.dora.copy() for m, w in reg.get(1).modules.items() if w.dora is not None}
+    assert calls and reg.cached_ids() == [1]
+    computed = len(calls)
+    reg.get(2), reg.get(1)  # d1 evicted and reloaded: its rows are kept
+    assert len(calls) == computed and reg.stats["host_misses"] == 3
+    for m, d in first.items():
+        np.testing.assert_array_equal(reg.get(1).modules[m].dora, d)
+    config = path / "adapter_config.json"
+    config.write_text(config.read_text() + " ")  # the files changed: computed again
+    reg.get(2), reg.get(1)
+    assert len(calls) > computed

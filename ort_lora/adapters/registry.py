@@ -6,7 +6,10 @@ is the pool / scheduler's business; the registry turns (slot, adapter, pages) in
 lora_{m}_* graph inputs and copies an adapter's rows into pages on request.
 
 DoRA adapters get their scale rows when loaded (adapters/dora.py), from the base weights of
-the export the manifest was loaded from (adapters/base_weights.py) or those given. Composed
+the export the manifest was loaded from (adapters/base_weights.py) or those given. A
+registered DoRA adapter's rows (one float per output row per module and layer) are kept, so a
+reload after a host-cache eviction reads the files again but does not recompute them (unless
+the adapter's files changed since). Composed
 requests: `composition` checks a request's [(adapter, weight)], and lora_step_inputs takes the
 step's segments as (slot, weight) terms (adapters/compose.py).
 
@@ -117,6 +120,7 @@ class AdapterRegistry:
         if base_weights is None and manifest.model_dir is not None:
             self.base_weights = ExportedWeights(manifest.model_dir)  # indexed on first use
         self._dora_ids: set[int] = set()  # registered DoRA adapters
+        self._dora_rows_kept: dict[int, tuple[tuple, dict[str, np.ndarray]]] = {}  # id -> stamp, D
         self._requests: dict[int, LoRARequest] = {}
         self._ids: dict[str, int] = {}
         self._pages_needed: dict[int, int] = {}
@@ -154,6 +158,8 @@ class AdapterRegistry:
         self._pages_needed[request.lora_int_id] = num_pages_needed(adapter, self.manifest)
         if adapter.is_dora:
             self._dora_ids.add(request.lora_int_id)
+            rows = {m: w.dora for m, w in adapter.modules.items() if w.dora is not None}
+            self._dora_rows_kept[request.lora_int_id] = (self._stamp(request), rows)
         self._cache(request.lora_int_id, adapter)
         return adapter
 
@@ -217,6 +223,7 @@ class AdapterRegistry:
         del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
         self.request_counts.pop(aid, None)
         self._dora_ids.discard(aid)
+        self._dora_rows_kept.pop(aid, None)
         self._host.pop(aid, None)
         for key in [k for k in self._step_parts if k[0] == aid]:
             del self._step_parts[key]
@@ -253,7 +260,10 @@ class AdapterRegistry:
             self._host.move_to_end(aid)
             return self._host[aid]
         self.stats["host_misses"] += 1
-        adapter = self.load(self._requests[aid])
+        kept = self._dora_rows_kept.get(aid)
+        request = self._requests[aid]
+        rows = kept[1] if kept is not None and kept[0] == self._stamp(request) else None
+        adapter = self.load(request, rows)
         self._cache(aid, adapter)
         return adapter
 
@@ -265,20 +275,39 @@ class AdapterRegistry:
         """Pool pages the adapter occupies (known from registration, no reload)."""
         return self._pages_needed[self.request(name_or_id).lora_int_id]
 
-    def load(self, request: LoRARequest) -> HostAdapter:
+    def load(
+        self, request: LoRARequest, dora_rows: dict[str, np.ndarray] | None = None
+    ) -> HostAdapter:
         """Read, check and convert the adapter's files (AdapterError names the problem);
-        changes nothing here, so any thread may call it."""
+        changes nothing here, so any thread may call it. dora_rows: a DoRA adapter's D per
+        module, computed before from these same files (else computed now)."""
         check_name(request.lora_name)
         path = self._check_path(request.lora_path)
         try:
             adapter = load_adapter(request.lora_name, path, self.manifest)
         except OSError as e:  # unreadable, a directory where a file should be, too long
             raise AdapterError(f"adapter {request.lora_name!r}: cannot read {path}: {e.strerror}")
-        if adapter.is_dora:
+        if (
+            adapter.is_dora
+            and dora_rows is not None
+            and set(dora_rows) == {m for m, w in adapter.modules.items() if w.magnitude is not None}
+        ):
+            for m, d in dora_rows.items():
+                adapter.modules[m].dora, adapter.modules[m].magnitude = d, None
+        elif adapter.is_dora:
             self._dora_rows(adapter)
         prepare_rows(adapter, self.manifest.adapter_row_pack)
         self.stats["loads"] += 1
         return adapter
+
+    def _stamp(self, request: LoRARequest) -> tuple:
+        """(size, mtime) of the adapter's files: whether kept DoRA rows are still theirs."""
+        try:
+            path = self._check_path(request.lora_path)
+            stats = [(path / name).stat() for name in (CONFIG_NAME, WEIGHTS_NAME)]
+        except (OSError, AdapterError):
+            return ()
+        return tuple((st.st_size, st.st_mtime_ns) for st in stats)
 
     def _dora_rows(self, adapter: HostAdapter) -> None:
         """Compute a DoRA adapter's scale rows; AdapterError when this export cannot serve it."""
