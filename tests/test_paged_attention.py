@@ -3,6 +3,10 @@ against a dense causal attention on an unpaged layout, and a pool bound through 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from paged_attention_cases import (
@@ -247,3 +251,15 @@ def test_iobinding_pool_written_in_place_and_read_by_next_step(rng):
         full[name] = np.concatenate([old[:21], new[:1], old[21:], new[1:]])
     expected, _, _ = paged_attention(**full, key_cache=pool[0], value_cache=pool[1], **attrs)
     np.testing.assert_allclose(got, expected[[21, 31]], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_narrower_isa_kernels(isa):
+    """The AVX2 and baseline copies of the kernel (forced with ORT_LORA_ATTENTION_ISA) pass
+    the value tests."""
+    cases = "mixed_batch or variants or sizes"
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
+    env = os.environ | {"ORT_LORA_ATTENTION_ISA": isa}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout

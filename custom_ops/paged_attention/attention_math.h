@@ -1,42 +1,43 @@
 // Vectorized micro-kernels of the PagedAttention CPU kernel: dot products, scores of a tile of
-// keys, exp, and the weighted sum of value rows. Plain C++ and GCC vector types, compiled into
-// every ISA clone of the function that inlines them (see ORT_LORA_CLONES).
+// keys, exp, and the weighted sum of value rows. Plain C++ and GCC vector types, inlined into
+// each ISA's copy of the kernel (paged_attention_cpu.cc: AVX-512, AVX2+FMA, baseline x86-64,
+// chosen at run time), which passes the vector type V of its widest registers.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-// Hot loops are plain C++ the compiler vectorizes; cloned for AVX-512 and AVX2+FMA and chosen
-// at run time by the loader (GCC function multiversioning). Helpers must be always_inline: GCC
-// does not inline a function of the default arch into a clone otherwise. ORT_LORA_NO_CLONES
-// builds only the compiler's target ISA (to check one clone: -march=x86-64-v3
-// -DORT_LORA_NO_CLONES).
+// Helpers must be always_inline: GCC does not inline a function of the default arch into a
+// function with a target attribute otherwise. ORT_LORA_NO_CLONES builds only the compiler's
+// target ISA (to check one ISA's code: -march=x86-64-v3 -DORT_LORA_NO_CLONES).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ORT_LORA_NO_CLONES)
-#define ORT_LORA_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define ORT_LORA_ISA_COPIES 1
 #define ORT_LORA_INLINE inline __attribute__((always_inline))
 #else
-#define ORT_LORA_CLONES
 #define ORT_LORA_INLINE inline
 #endif
 
 namespace ort_lora {
 namespace attention_math {
 
-// GCC vector types: one AVX-512 register in the x86-64-v4 clone, split into narrower ones
-// in the others. Used where plain loops vectorize badly (horizontal sums).
+// GCC vector types: V16 one AVX-512 register, V8 one AVX2 register, V4 one SSE register
+// (a wider type is split into narrower registers where the ISA lacks it). Used where plain
+// loops vectorize badly (horizontal sums, register tiles).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // the vector helpers are always inlined: no ABI
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
-ORT_LORA_INLINE V16 Load16(const float* p) {
-  V16 v;
+template <typename V>
+ORT_LORA_INLINE V Load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+ORT_LORA_INLINE V16 Load16(const float* p) { return Load<V16>(p); }
 
 ORT_LORA_INLINE float HorizontalSum(const V16& v) {
   const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -85,21 +86,49 @@ ORT_LORA_INLINE void TransposeSum(const V16* r, float* out) {
   std::memcpy(out, &sums, sizeof(sums));
 }
 
-// s[j] = q . k[j * stride + :d] for j < n: sixteen keys at a time (sixteen independent FMA
-// chains sharing each load of q), the rest one by one.
+// Eight row sums at once (AVX2): out[j] is the sum of the lanes of r[j]; 7 adds for 8 rows.
+ORT_LORA_INLINE void TransposeSum(const V8* r, float* out) {
+  V8 a[4], b[2];
+  for (int t = 0; t < 4; ++t)  // a[t] = 4 partial sums of r[2t], then 4 of r[2t + 1]
+    a[t] = __builtin_shufflevector(r[2 * t], r[2 * t + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(r[2 * t], r[2 * t + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int t = 0; t < 2; ++t)  // b[t] = 2 partial sums of each of r[4t .. 4t + 3]
+    b[t] = __builtin_shufflevector(a[2 * t], a[2 * t + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * t], a[2 * t + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  const V8 sums = __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                  __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  std::memcpy(out, &sums, sizeof(sums));
+}
+
+// Four row sums at once (baseline SSE).
+ORT_LORA_INLINE void TransposeSum(const V4* r, float* out) {
+  const V4 a0 = __builtin_shufflevector(r[0], r[1], 0, 1, 4, 5) +
+                __builtin_shufflevector(r[0], r[1], 2, 3, 6, 7);
+  const V4 a1 = __builtin_shufflevector(r[2], r[3], 0, 1, 4, 5) +
+                __builtin_shufflevector(r[2], r[3], 2, 3, 6, 7);
+  const V4 sums =
+      __builtin_shufflevector(a0, a1, 0, 2, 4, 6) + __builtin_shufflevector(a0, a1, 1, 3, 5, 7);
+  std::memcpy(out, &sums, sizeof(sums));
+}
+
+// s[j] = q . k[j * stride + :d] for j < n: W keys at a time, W = the lanes of V (one register:
+// W independent FMA chains sharing each load of q, 16 of the 32 AVX-512 registers or 8 of
+// the 16 AVX2 ones, so none spills), the rest one by one.
+template <typename V>
 ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t stride,
                             int64_t d, int64_t n, float* __restrict s) {
+  constexpr int W = sizeof(V) / sizeof(float);
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    V16 r[16] = {};
+  for (; j + W <= n; j += W) {
+    V r[W] = {};
     int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-      const V16 qv = Load16(q + i);
-      for (int c = 0; c < 16; ++c) r[c] += qv * Load16(k + (j + c) * stride + i);
+    for (; i + W <= d; i += W) {
+      const V qv = Load<V>(q + i);
+      for (int c = 0; c < W; ++c) r[c] += qv * Load<V>(k + (j + c) * stride + i);
     }
     TransposeSum(r, s + j);
     for (; i < d; ++i)
-      for (int c = 0; c < 16; ++c) s[j + c] += q[i] * k[(j + c) * stride + i];
+      for (int c = 0; c < W; ++c) s[j + c] += q[i] * k[(j + c) * stride + i];
   }
   for (; j < n; ++j) s[j] = Dot(q, k + j * stride, d);
 }
@@ -129,7 +158,7 @@ ORT_LORA_INLINE void AccumulateValues(float* __restrict acc, const float* __rest
                                       const float* __restrict p, int64_t n, int64_t stride,
                                       int64_t d, float alpha) {
   int64_t i = 0;
-  for (; i + 64 <= d; i += 64) {  // 64 accumulators: four AVX-512 FMA chains
+  for (; i + 64 <= d; i += 64) {  // 64 accumulators: four AVX-512 (eight AVX2) FMA chains
     float r[64];
     for (int k = 0; k < 64; ++k) r[k] = acc[i + k] * alpha;
     for (int64_t j = 0; j < n; ++j)

@@ -15,11 +15,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "paged_attention/attention_math.h"
+
+// The vector helpers' templates are instantiated here, each always inlined into one ISA's
+// copy: GCC's note that their calls would change the ABI across ISAs never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace ort_lora {
 namespace {
@@ -27,6 +32,9 @@ namespace {
 using attention_math::AccumulateValues;
 using attention_math::ExpInPlace;
 using attention_math::Scores;
+using attention_math::V16;
+using attention_math::V4;
+using attention_math::V8;
 
 constexpr int64_t kTileKeys = 32;        // keys scored together: one softmax rescale per tile
 constexpr int64_t kRowsPerItem = 32;     // query rows (token x head) per work item, at most
@@ -104,12 +112,13 @@ void PrepareRows(const Problem& p, const float* src, float* dst, int64_t heads, 
 // ---- pass 2: attention -------------------------------------------------------------------
 
 // One query row against n keys/values (rows k, v at distance stride): online softmax update
-// of (m, l, acc).
+// of (m, l, acc). V: the vector type of the ISA's widest registers.
+template <typename V>
 ORT_LORA_INLINE void AttendTile(const float* q, const float* k, const float* v, int64_t n,
                                 int64_t stride, int64_t d, float softcap, float& m, float& l,
                                 float* acc) {
   float s[kTileKeys];
-  Scores(q, k, stride, d, n, s);
+  Scores<V>(q, k, stride, d, n, s);
   if (softcap > 0)
     for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
   float m_new = m;
@@ -198,6 +207,7 @@ void FinishRows(const Problem& p, const WorkItem& w, RowState& s) {
 
 // Every query row of item w against the keys of `run` (positions [j, j + run.count)), each
 // token within its causal / window range; prefetches `next` meanwhile.
+template <typename V>
 ORT_LORA_INLINE void AttendRun(const Problem& p, const WorkItem& w, int64_t j, const KeyRun& run,
                                const KeyRun& next, RowState& s) {
   const auto& a = p.a;
@@ -212,24 +222,61 @@ ORT_LORA_INLINE void AttendRun(const Problem& p, const WorkItem& w, int64_t j, c
       PrefetchRun(next, p.row_stride, r0 + h, parts);
       if (lo >= hi) continue;
       const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
-      AttendTile(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
-                 s.m[r0 + h], s.l[r0 + h], s.acc[r0 + h]);
+      AttendTile<V>(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
+                    s.m[r0 + h], s.l[r0 + h], s.acc[r0 + h]);
     }
   }
 }
 
-ORT_LORA_CLONES void RunItem(const Problem& p, const WorkItem& w) {
+template <typename V>
+ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
   RowState s = StartRows(p, w);
   KeyRun next = NextRun(p, w, w.ctx_begin, w.ctx_end);
   PrefetchRun(next, p.row_stride, 0, 1);
   for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
     const KeyRun run = next;
     next = j + run.count < w.ctx_end ? NextRun(p, w, j + run.count, w.ctx_end) : KeyRun{};
-    AttendRun(p, w, j, run, next, s);
+    AttendRun<V>(p, w, j, run, next, s);
     j += run.count;
   }
   FinishRows(p, w, s);
 }
+
+// One copy of the attention pass per instruction set, its vector width following the widest
+// registers (the AVX2 copy must not be the AVX-512 one split in halves: its 16-key score
+// tiles would need 32 of AVX2's 16 registers).
+using ItemFn = void (*)(const Problem&, const WorkItem&);
+#ifdef ORT_LORA_ISA_COPIES
+__attribute__((target("arch=x86-64-v4"))) void RunItemAvx512(const Problem& p, const WorkItem& w) {
+  RunItemBody<V16>(p, w);
+}
+__attribute__((target("arch=x86-64-v3"))) void RunItemAvx2(const Problem& p, const WorkItem& w) {
+  RunItemBody<V8>(p, w);
+}
+void RunItemBase(const Problem& p, const WorkItem& w) { RunItemBody<V4>(p, w); }
+
+// The widest ISA the CPU has, capped by ORT_LORA_ATTENTION_ISA (avx512 | avx2 | baseline) so
+// that tests can run the narrower copies on a machine that has AVX-512.
+ItemFn SelectRunItem() {
+  __builtin_cpu_init();
+  const char* cap = std::getenv("ORT_LORA_ATTENTION_ISA");
+  const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("x86-64-v4")) return RunItemAvx512;
+  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return RunItemAvx2;
+  return RunItemBase;
+}
+#else  // one ISA, the compiler's target
+ItemFn SelectRunItem() {
+#if defined(__AVX512F__)
+  return RunItemBody<V16>;
+#elif defined(__AVX2__)
+  return RunItemBody<V8>;
+#else
+  return RunItemBody<V4>;
+#endif
+}
+#endif
 
 // Combines the partial softmax rows of one split group into the output.
 void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
@@ -344,7 +391,8 @@ void PagedAttentionCpu(const PagedAttentionArgs& a, const ParallelFor& parallel_
   const Plan plan = MakePlan(a, group);
   std::vector<float> partials(plan.partial_floats);
   p.partials = partials.data();
-  parallel_for(plan.items.size(), [&](size_t i) { RunItem(p, plan.items[i]); });
+  static const ItemFn run_item = SelectRunItem();
+  parallel_for(plan.items.size(), [&](size_t i) { run_item(p, plan.items[i]); });
   parallel_for(plan.splits.size(), [&](size_t i) { MergeSplits(p, plan, plan.splits[i]); });
   parallel_for(token_chunks, [&](size_t c) {
     const int64_t t0 = c * kTokensPerChunk;
