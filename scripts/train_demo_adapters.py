@@ -9,6 +9,7 @@ ort_lora/demo/adapters/metrics.json.
 
     python scripts/train_demo_adapters.py                 # all tasks
     python scripts/train_demo_adapters.py --tasks upper   # some of them
+    python scripts/train_demo_adapters.py --tasks upper --dora   # a DoRA adapter: upper_dora
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1, help="1 avoids spinning on busy cores")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dora", action="store_true", help="DoRA (use_dora), saved as <task>_dora")
     return p.parse_args()
 
 
@@ -169,6 +171,7 @@ def train(base, tok, task: Task, args: argparse.Namespace):
         target_modules=list(task.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=args.dora,
     )
     model = get_peft_model(base, config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -215,10 +218,14 @@ def save_adapter(model, out_dir: Path) -> None:
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub
 
 
+def adapter_dir(task: Task, args: argparse.Namespace) -> Path:
+    return task.adapter_dir.with_name(task.name + "_dora") if args.dora else task.adapter_dir
+
+
 def evaluate(base, tok, task: Task, args: argparse.Namespace) -> dict:
     """Greedy success on held-out prompts: the adapter reloaded from disk, and the base."""
     prompts = task.make_prompts(args.eval_n, seed=1234, split="eval")
-    model = PeftModel.from_pretrained(base, task.adapter_dir).eval()
+    model = PeftModel.from_pretrained(base, adapter_dir(task, args)).eval()
     answers = generate(model, tok, prompts, args.max_new_tokens)
     with model.disable_adapter():
         base_answers = generate(model, tok, prompts, args.max_new_tokens)
@@ -254,13 +261,14 @@ def main() -> None:
         t0 = time.time()
         model, steps, probe = train(base, tok, task, args)
         train_s = time.time() - t0
-        save_adapter(model, task.adapter_dir)
+        save_adapter(model, adapter_dir(task, args))
         base = model.unload()  # the plain base model again, LoRA layers removed
         entry = evaluate(base, tok, task, args)
         entry.update(steps=steps, probe_success=probe, train_seconds=round(train_s, 1))
-        entry["config"] = {k: getattr(args, k) for k in ("rank", "alpha", "lr", "batch", "seed")}
+        keys = ("rank", "alpha", "lr", "batch", "seed", "dora")
+        entry["config"] = {k: getattr(args, k) for k in keys}
         entry["config"]["target_modules"] = list(task.target_modules)
-        metrics = update_metrics(name, entry)
+        metrics = update_metrics(adapter_dir(task, args).name, entry)
     print_table(metrics)
 
 
