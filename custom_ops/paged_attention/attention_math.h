@@ -9,10 +9,13 @@
 #include <cstring>
 
 // Helpers must be always_inline: GCC does not inline a function of the default arch into a
-// function with a target attribute otherwise. ORT_LORA_NO_CLONES builds only the compiler's
-// target ISA (to check one ISA's code: -march=x86-64-v3 -DORT_LORA_NO_CLONES).
+// function with a target attribute otherwise; and a helper left out of line that only
+// prefetches is found side-effect free and its calls deleted. ORT_LORA_NO_CLONES builds only
+// the compiler's target ISA (to check one ISA's code: -march=x86-64-v3 -DORT_LORA_NO_CLONES).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ORT_LORA_NO_CLONES)
 #define ORT_LORA_ISA_COPIES 1
+#endif
+#if defined(__GNUC__)
 #define ORT_LORA_INLINE inline __attribute__((always_inline))
 #else
 #define ORT_LORA_INLINE inline
