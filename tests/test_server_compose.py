@@ -246,3 +246,17 @@ def test_tokenize_renders_a_composition_like_its_chat_request(server):
     res = httpx.post(url + "/tokenize", json=req, timeout=60)
     assert res.status_code == 200, res.text
     assert np.asarray(res.json()["tokens"]).size > 0
+
+
+@pytest.mark.parametrize("weight", [1e38, -1e38, 1e-38, 0.0])
+def test_extreme_finite_weights_are_served_never_a_500(server, weight):
+    """Weights are any finite number: one that overflows the logits still gets an answer
+    (garbage, with finite logprobs), and the server serves on."""
+    url, _ = server
+    adapters = [{"name": "one", "weight": weight}, {"name": "two", "weight": 1.0}]
+    for stream in (False, True):
+        req = body(adapters=adapters, max_tokens=2, stream=stream)
+        res = httpx.post(url + "/v1/completions", json=req, timeout=120)
+        assert res.status_code == 200, res.text
+        assert "error" not in res.text and "NaN" not in res.text, res.text[:500]
+    assert complete(url, model="one")["choices"][0]["text"] is not None
