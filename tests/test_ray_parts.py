@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import pickle
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -439,6 +440,22 @@ def test_client_raises_the_replicas_error(make_client):
         collect(make_client(handle, multiplexed=False), A1)
     assert (info.value.status, info.value.param) == (400, "max_tokens")
     assert handle.options_seen == [{"stream": True, "multiplexed_model_id": ""}]
+
+
+def test_client_refuses_compositions_and_unwraps_a_list_of_one(rng, make_client):
+    from ort_lora.adapters.errors import CompositionError
+    from ort_lora.server.errors import api_error
+
+    outs, script = deltas(rng)
+    handle = FakeHandle(script)
+    client = make_client(handle)
+    for composed in ([A1, replace(B, weight=0.5)], [replace(A1, weight=0.5)], replace(B, weight=2)):
+        with pytest.raises(CompositionError, match="not served by `ort-lora serve --ray`") as info:
+            collect(client, composed)
+        assert api_error(info.value).status == 400
+    assert handle.streams == []  # nothing reached a replica
+    assert collect(client, [A1]) == outs
+    assert handle.options_seen[0]["multiplexed_model_id"] == "a"
 
 
 def test_client_keeps_its_adapters_newer_than_a_stale_snapshot(make_client):

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ort_lora.adapters.errors import CompositionError
 from ort_lora.adapters.registry import AdapterRegistry
 from ort_lora.contract import ModelManifest
 from ort_lora.errors import EngineUnavailable, QueueFullError
@@ -110,11 +111,12 @@ class ReplicaClient:
         self,
         prompt: list[int],
         params: SamplingParams,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | list[LoRARequest] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate, served by a replica; leaving early cancels it there."""
         rid = request_id or uuid.uuid4().hex
+        lora_request = _one_adapter(lora_request)
         if len(self._streams) >= self.max_queued_requests:
             raise QueueFullError(
                 f"the ingress already holds {len(self._streams)} requests "
@@ -196,6 +198,21 @@ def _replica_gone() -> tuple[type[BaseException], ...]:
     from ray.serve.exceptions import ReplicaUnavailableError
 
     return (RayActorError, ReplicaUnavailableError)
+
+
+def _one_adapter(lora_request):
+    """The request's one adapter (or None): Ray routes a request by one adapter name, so a
+    composition of several adapters (or one at a weight other than 1) is refused, 400."""
+    if lora_request is None:
+        return None
+    loras = [lora_request] if isinstance(lora_request, LoRARequest) else list(lora_request)
+    if len(loras) == 1 and loras[0].weight == 1.0:
+        return loras[0]
+    raise CompositionError(
+        "composed requests (several adapters, or one at a weight other than 1) are not served "
+        "by `ort-lora serve --ray`: Ray routes a request by one adapter; send one adapter, or "
+        "serve compositions from a single-process `ort-lora serve`"
+    )
 
 
 def _unwrapped(call):
