@@ -89,6 +89,20 @@ def test_quick_report_has_every_table(quick_run):
 
 
 @pytest.mark.slow
+def test_rewrite_of_one_unshaped_experiment(quick_run, tmp_path):
+    """`python -m ort_lora.bench.output DIR` on a run of the grammar experiment alone (no
+    systems or quant rows to take the shapes from) rewrites its report."""
+    _, out, _ = quick_run
+    doc = json.loads((out / "results.json").read_text())
+    doc["results"] = [r for r in doc["results"] if r["experiment"] == "grammar"]
+    assert doc["results"]
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    paths = output.rewrite(tmp_path)
+    assert tmp_path / "grammar_steps.png" in paths
+    assert "| ort-lora json_schema | 8 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_GENAI, reason="onnxruntime-genai not installed (bench extra)")
 def test_onnx_adapter_holds_the_peft_tensors(quick_run):
     import onnxruntime as ort

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ort_lora.bench import cluster, plots, report
+from ort_lora.bench import cluster, plan, plots, report
 
 SCHEMA = 1
 ROW_KEYS = (
@@ -146,7 +146,8 @@ def rewrite(out: Path) -> list[Path]:
     """Write report.md and the plots again from out/results.json (after a report change)."""
     doc = json.loads((out / "results.json").read_text())
     shapes = [r["experiment"].split("/", 1)[1] for r in doc["results"] if "/" in r["experiment"]]
-    return write_outputs(out, doc["results"], doc["meta"], list(dict.fromkeys(shapes)))
+    shapes = list(dict.fromkeys(shapes)) or list(plan.FULL.shapes)  # as `ort-lora bench` passes
+    return write_outputs(out, doc["results"], doc["meta"], shapes)
 
 
 if __name__ == "__main__":  # python -m ort_lora.bench.output RESULTS_DIR
