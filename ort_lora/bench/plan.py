@@ -12,7 +12,8 @@ quant       int4 base weights (issue 13), both shapes: ort-lora int4 mixed and b
 scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
             uniform and base, and vLLM mixed, on a shorter decode-heavy shape
 cluster     S-LoRA's trace over 64 adapters through `ort-lora serve --ray` (2 replicas on a
-            local Ray cluster), adapter routing vs Ray's default routing (bench/cluster.py)
+            local Ray cluster, each replica taking 8 requests at once before Ray spills to
+            the other), adapter routing vs Ray's default routing (bench/cluster.py)
 grammar     ort-lora with every request's output under a JSON schema of its own, next to
             the same requests unconstrained (the cost of grammar masking per step)
 variants    ort-lora on the uniform pattern (decode-heavy) with plain LoRA adapters, the same
@@ -60,6 +61,7 @@ FULL = Scale(
         replicas=2,
         max_adapters_per_replica=40,
         pool_mb=1024,
+        max_ongoing_requests=8,
     ),
 )
 QUICK = Scale(
@@ -195,7 +197,8 @@ def _cluster_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
         return []
     keys = ("n", "rate", "cv", "prompt_range", "output_range")
     trace = W.slora_trace(*(c[k] for k in keys), vocab_size, c["adapters"], seed)
-    options = {k: c[k] for k in ("replicas", "max_adapters_per_replica", "pool_mb")}
+    names = ("replicas", "max_adapters_per_replica", "pool_mb", "max_ongoing_requests")
+    options = {k: c[k] for k in names if k in c}
     return [
         _run("ort-lora-ray", f"ort-lora Ray, {r} routing", "cluster", trace, routing=r, **options)
         for r in ("adapter", "default")
