@@ -67,6 +67,36 @@ def tiny_llama_export(tiny_llama_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_quant_export(tiny_llama_checkpoint, tmp_path_factory):
+    """(weights, accuracy_level) -> the export of `tiny_llama_checkpoint` with int4 or int8
+    base weights at that accuracy level (quant_cases.export_quantized), made on first use and
+    shared by the session's tests."""
+    from quant_cases import export_quantized
+
+    root = tmp_path_factory.mktemp("tiny_quant_exports")
+    made = {}
+
+    def get(weights: str, level: int) -> Path:
+        if (weights, level) not in made:
+            out = root / f"{weights}_{level}"
+            made[weights, level] = export_quantized(tiny_llama_checkpoint, out, weights, level)
+        return made[weights, level]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_checkpoint):
+    """transformers' float32 model of `tiny_llama_checkpoint` in eval mode, one per test module
+    (the PEFT oracle's base; tests copy it before wrapping it)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_qv_adapter(tiny_llama_checkpoint, tmp_path_factory) -> Path:
     """A random PEFT LoRA adapter of `tiny_llama_checkpoint` on q_proj and v_proj."""
     torch = pytest.importorskip("torch")

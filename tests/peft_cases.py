@@ -8,6 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the composition tests' adapters: two plain ones to compose (ranks, rank_pattern and scales
+# differ) and a DoRA adapter (rslora), which runs alone
+COMPOSE_ADAPTERS = {
+    "one": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "two": dict(r=8, lora_alpha=16, target_modules=ALL_LINEAR, rank_pattern={"o_proj": 2}),
+    "dora": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+              use_dora=True, use_rslora=True),
+}  # fmt: skip
+
 
 def save_adapters(hf_model, root: Path, configs: dict, seed: int) -> dict[str, Path]:
     """name -> directory of a PEFT adapter per config (peft.LoraConfig kwargs) on a copy of

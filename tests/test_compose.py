@@ -23,16 +23,10 @@ from ort_lora.lora_request import LoRARequest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import save_adapters  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS, save_adapters  # noqa: E402
 from test_adapters import ADAPTERS, make_adapter, manifest  # noqa: E402
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEFT_ADAPTERS = {
-    "one": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-    "two": dict(r=8, lora_alpha=16, target_modules=ALL_LINEAR, rank_pattern={"o_proj": 2}),
-    "dora": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
-              use_dora=True, use_rslora=True),
-}  # fmt: skip
+PEFT_ADAPTERS = COMPOSE_ADAPTERS
 IDS = {name: i + 1 for i, name in enumerate(PEFT_ADAPTERS)}
 PAGES_PER_ADAPTER = 24  # pool pages set aside per adapter; KV pages come after
 
@@ -122,14 +116,6 @@ def test_step_inputs_of_composed_segments(registry):
 
 
 # --- one step through the session against PEFT ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

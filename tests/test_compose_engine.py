@@ -144,16 +144,10 @@ def test_composed_single_and_base_sequences_under_preemption_keep_the_books(seed
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import save_adapters  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS, save_adapters  # noqa: E402
 from test_engine_peft import MAX_NEW, PROMPTS, _oracle  # noqa: E402
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEFT_ADAPTERS = {
-    "one": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-    "two": dict(r=8, lora_alpha=16, target_modules=ALL_LINEAR, rank_pattern={"o_proj": 2}),
-    "dora": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
-              use_dora=True, use_rslora=True),
-}  # fmt: skip
+PEFT_ADAPTERS = COMPOSE_ADAPTERS
 # the terms of each kind of request: (adapter, weight); () = base
 KINDS = [
     (("one", 0.7), ("two", 0.3)),
@@ -163,14 +157,6 @@ KINDS = [
     (("dora", 1.0),),
     (("one", 0.5),),
 ]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

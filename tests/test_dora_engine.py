@@ -17,8 +17,8 @@ from ort_lora import LLM, LoRARequest, SamplingParams
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import assert_matches_peft, peft_models, save_adapters  # noqa: E402
-from test_engine_peft import ALL_LINEAR, MAX_NEW, PROMPTS, _fresh, _oracle  # noqa: E402
+from peft_cases import ALL_LINEAR, assert_matches_peft, peft_models, save_adapters  # noqa: E402
+from test_engine_peft import MAX_NEW, PROMPTS, _fresh, _oracle  # noqa: E402
 
 ADAPTERS = {
     "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -39,14 +39,6 @@ ADAPTERS = {
     ),  # fmt: skip
 }
 DORA = ("dora_qv", "dora_all_rs")
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +83,14 @@ def test_dora_scale_matters(tiny_llama_export, hf_model, adapter_dirs, tmp_path)
 
 
 def test_dora_on_an_int4_export_matches_peft_on_its_dequantized_weights(
-    tiny_llama_checkpoint, adapter_dirs, tmp_path
+    tiny_llama_checkpoint, tiny_quant_export, adapter_dirs
 ):
     """An int4 export (MatMulNBits, accuracy_level 0: float32 inputs): the scale comes from
     the dequantized blocks, as PEFT's DoRA computes it on a quantized base
     (dequantize_module_weight); PEFT runs on the export's own dequantized weights."""
-    from quant_cases import export_quantized, reference
+    from quant_cases import reference
 
-    out = export_quantized(tiny_llama_checkpoint, tmp_path / "int4", "int4", 0)
+    out = tiny_quant_export("int4", 0)
     requests = [(p, name) for p in PROMPTS[:2] for name in ("dora_qv", "dora_all_rs", None)]
     llm = LLM(out, num_pages=256, max_loras=4)
     loras = [_lora(n, adapter_dirs) for _, n in requests]

@@ -17,7 +17,8 @@ from ort_lora import LLM, LoRARequest, SamplingParams
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from peft_cases import ALL_LINEAR  # noqa: E402
+
 ADAPTERS = {
     "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "all8": dict(
@@ -63,14 +64,6 @@ PROMPTS = [
     ],
 ]
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

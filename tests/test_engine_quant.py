@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from quant_cases import assert_rows_match, export_quantized, reference
-from test_engine_peft import (  # noqa: F401 (adapter_dirs, hf_model: fixtures)
+from quant_cases import assert_rows_match, reference
+from test_engine_peft import (  # noqa: F401 (adapter_dirs: a fixture)
     ADAPTERS,
     PROMPTS,
     _lora,
     _oracle,
     _peft_model,
     adapter_dirs,
-    hf_model,
 )
 
 from ort_lora import LLM, SamplingParams
@@ -27,20 +26,10 @@ peft = pytest.importorskip("peft")
 MAX_NEW = 8
 
 
-@pytest.fixture(scope="module")
-def quant_exports(tiny_llama_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_quant")
-    return {
-        (w, level): export_quantized(tiny_llama_checkpoint, root / f"{w}_{level}", w, level)
-        for w in ("int4", "int8")
-        for level in (0, 4)
-    }
-
-
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("level", [0, 4])
 def test_mixed_batch_matches_peft_on_dequantized_weights(
-    quant_exports,
+    tiny_quant_export,
     tiny_llama_checkpoint,
     adapter_dirs,  # noqa: F811 (the fixture of test_engine_peft)
     weights,
@@ -48,7 +37,7 @@ def test_mixed_batch_matches_peft_on_dequantized_weights(
 ):
     """8 requests (base + 3 adapters, twice) in one call: prompt logprobs of every position
     against PEFT's teacher-forced log-softmax; at accuracy_level 0 the greedy tokens too."""
-    out = quant_exports[(weights, level)]
+    out = tiny_quant_export(weights, level)
     base = reference(tiny_llama_checkpoint, out)
     names = [None, *ADAPTERS]
     requests = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 2)]
@@ -73,8 +62,8 @@ def test_mixed_batch_matches_peft_on_dequantized_weights(
     assert_rows_match(ours, want, level)
 
 
-def test_adapters_change_the_quantized_output(quant_exports, adapter_dirs):  # noqa: F811
-    llm = LLM(quant_exports[("int4", 4)], num_pages=256)
+def test_adapters_change_the_quantized_output(tiny_quant_export, adapter_dirs):  # noqa: F811
+    llm = LLM(tiny_quant_export("int4", 4), num_pages=256)
     names = [None, *ADAPTERS]
     outs = llm.generate(
         [{"prompt_token_ids": PROMPTS[1]}] * len(names),

@@ -117,23 +117,13 @@ def test_gguf_q4_1_with_integer_zero_points_moves_each_block(rng, bits):
     assert 0 < np.abs(diff).max() <= 0.5 * mapped.scales.max() * 1.0001
 
 
-@pytest.fixture(scope="module")
-def tiny_exports(tiny_llama_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant_exports")
-    return {
-        (w, level): export_quantized(tiny_llama_checkpoint, root / f"{w}_{level}", w, level)
-        for w in ("int4", "int8")
-        for level in (0, 4)
-    }
-
-
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("level", [0, 4])
 def test_tiny_llama_prefill_and_paged_decode(
-    tiny_exports, tiny_llama_checkpoint, rng, weights, level
+    tiny_quant_export, tiny_llama_checkpoint, rng, weights, level
 ):
     """4 prompts: prefill, then 8 greedy decode steps over 3 scattered pages each."""
-    out = tiny_exports[(weights, level)]
+    out = tiny_quant_export(weights, level)
     manifest = json.loads((out / "ort_lora_manifest.json").read_text())["quantization"]
     assert manifest["weights"] == weights and manifest["accuracy_level"] == level
     assert manifest["tensors_by_method"] == {"rtn": 16}  # 14 linear, embedding, head
@@ -196,11 +186,11 @@ def test_verify_checks_the_weights_and_reports_int8_inputs(tiny_llama_checkpoint
     assert float(checked.group(1)) <= ATOL < float(served.group(1))
 
 
-def test_verify_fails_on_a_wrong_scale(tiny_llama_checkpoint, tmp_path, monkeypatch):
+def test_verify_fails_on_a_wrong_scale(tiny_llama_checkpoint, tiny_quant_export, monkeypatch):
     """A layout bug (here: every scale of one layer 1 % off) fails the accuracy_level 0 check."""
     from ort_lora.export import quant_reference
 
-    out = export_quantized(tiny_llama_checkpoint, tmp_path / "m", "int4", 4)
+    out = tiny_quant_export("int4", 4)
     real = quant_reference.exported_weights
 
     def off_by_one_percent(model_dir):

@@ -32,13 +32,6 @@ PROMPT = [5, 17, 99, 3, 42, 8, 77, 120, 64, 33, 21]
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
     return save_adapters(hf_model, tmp_path_factory.mktemp("compose_http"), PEFT_ADAPTERS, 900)
 

@@ -32,13 +32,6 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_llama_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def adapter_root(hf_model, tmp_path_factory):
     """Random PEFT adapters (B of unit scale, so they change the output), plus a broken one."""
     root = tmp_path_factory.mktemp("e2e_adapters")

@@ -121,16 +121,7 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
     lines += [f"- {n}" for n in meta.get("notes", [])]
     checks = [(t["what"], t["measured"], t["measured_cpu"], t["goal"]) for t in doc["targets"]]
     lines += ["", "## Targets", "", report.targets_table(checks), ""]
-    experiments = [f"systems/{s}" for s in shapes] + [
-        "popularity",
-        "trace",
-        "registered",
-        "prefill",
-        "scale",
-        "grammar",
-    ]
-    experiments += [f"quant/{s}" for s in shapes]
-    for exp in experiments:
+    for exp in _sections(shapes):
         rows = report.rows_of(results, exp)
         if rows:
             lines += [f"## {exp}", "", report.table(rows), ""]
@@ -140,6 +131,18 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
     lines += cluster.markdown(report.rows_of(results, "cluster"))
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
+
+
+def _sections(shapes: list[str]) -> list[str]:
+    """The plan's experiments in order, a shaped one once per shape; the cluster experiment
+    has a section of its own (cluster.markdown)."""
+    out = []
+    for exp in plan.EXPERIMENTS:
+        if exp in plan.SHAPED_EXPERIMENTS:
+            out += [f"{exp}/{s}" for s in shapes]
+        elif exp != "cluster":
+            out.append(exp)
+    return out
 
 
 def rewrite(out: Path) -> list[Path]:

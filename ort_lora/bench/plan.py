@@ -100,7 +100,10 @@ EXPERIMENTS = (
     "grammar",
     "quant",
     "variants",
+    "cluster",
 )
+# experiments run once per shape, their rows' experiment being "<name>/<shape>"
+SHAPED_EXPERIMENTS = ("systems", "quant")
 # rows of the grammar experiment: every output under its own JSON schema, and unconstrained
 GRAMMAR_ROWS = ("ort-lora json_schema", "ort-lora unconstrained")
 # rows of the quant experiment, each shape, in the order they run (int4 and float32 rows
@@ -115,7 +118,6 @@ QUANT_ROWS = (
 QUANT_HTTP_ROW = ("ort-lora-http", "ort-lora HTTP int4 mixed", "uniform", "ort_lora_int4")
 # systems that start a Ray cluster of their own (bench/cluster.py)
 CLUSTER_SYSTEMS = ("ort-lora-ray",)
-EXPERIMENTS += ("cluster",)
 # rows of the variants experiment: plain LoRA, the same adapters as DoRA, 2 composed per
 # request, and base (what the LoRA part costs, for the composition's goal)
 VARIANT_ROWS = ("ort-lora LoRA", "ort-lora DoRA", "ort-lora 2 composed", "ort-lora base")
