@@ -50,10 +50,12 @@ of the adapter in slot s starts at element a_offsets[s, j]; row j of B^T (length
 b_offsets[s, j]. An adapter occupies the same pages in every layer, so offsets are shared by
 all layers; ranks and scales are per layer (rank_pattern / alpha_pattern / layers_to_transform).
 No row straddles a page half, so a row is contiguous in memory.
-Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" in a float32 (CPU)
-pool: then rows are bfloat16, two per pool element (the first in its low 16 bits), a row of n
-values occupies ceil(n / 2) pool elements from its offset, and every LoraSGMV node carries the
-attribute adapter_dtype = 16 (TensorProto.BFLOAT16). Offsets still count pool elements.
+Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" or "int8" in a
+float32 (CPU) pool (ort_lora/adapter_rows.py): bfloat16 rows hold two values per pool element
+(the first in its low 16 bits), a row of n values occupying ceil(n / 2) elements; int8 rows
+start with their float32 scale, then four int8 values per element (value = scale * q), 1 +
+ceil(n / 4) elements. Every LoraSGMV node then carries the attribute adapter_dtype = 16
+(TensorProto.BFLOAT16) or 3 (TensorProto.INT8). Offsets still count pool elements.
 
 Quantized base weights (manifest.quantization, --weights int4|int8; CPU, float32 activations
 and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks of
@@ -133,9 +135,6 @@ LORA_FEATURES = ("composition", "dora")
 LORA_INPUT_KINDS = ("a_offsets", "b_offsets", "ranks", "scales", "dora_offsets")
 
 
-ADAPTER_DTYPE_ATTR = {"bfloat16": 16}  # LoraSGMV attribute adapter_dtype (TensorProto type)
-
-
 def key_cache_name(layer: int) -> str:
     return f"key_cache.{layer}"
 
@@ -175,7 +174,8 @@ class ModelManifest:
     ops_version: str = "0.1.0"
     source: str = ""
     extra: dict = field(default_factory=dict)
-    adapter_dtype: str | None = None  # None: the pool's dtype; "bfloat16" rows in a float32 pool
+    # None: rows in the pool's dtype; "bfloat16" or "int8" rows in a float32 pool
+    adapter_dtype: str | None = None
     # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
     fused_modules: dict[str, list[str]] = field(default_factory=dict)
     # what the LoraSGMV nodes take beyond one adapter per segment (LORA_FEATURES); none in a
@@ -188,12 +188,12 @@ class ModelManifest:
     quantization: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.adapter_dtype not in (None, "bfloat16") or (
-            self.adapter_dtype == "bfloat16" and self.dtype != "float32"
+        if self.adapter_dtype not in (None, "bfloat16", "int8") or (
+            self.adapter_dtype is not None and self.dtype != "float32"
         ):
             raise ValueError(
                 f"adapter_dtype {self.adapter_dtype!r} with dtype {self.dtype}: expected None "
-                "(adapter rows in the pool's dtype) or 'bfloat16' with a float32 pool"
+                "(adapter rows in the pool's dtype), or 'bfloat16' or 'int8' with a float32 pool"
             )
         if self.quantization and (
             self.quantization.get("weights") not in ("int4", "int8")
@@ -218,11 +218,6 @@ class ModelManifest:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
-
-    @property
-    def adapter_row_pack(self) -> int:
-        """Adapter values per pool element: 2 for bfloat16 rows in a float32 pool, else 1."""
-        return 2 if self.adapter_dtype == "bfloat16" else 1
 
     @property
     def weights(self) -> str:

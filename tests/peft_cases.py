@@ -73,3 +73,36 @@ def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> f
                 np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
         assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
     return worst
+
+
+def served_lora(model, row_type: str | None):
+    """A copy of a PEFT model whose LoRA A and B hold the values the pool serves for adapter
+    rows of row_type (adapter_rows.served: rows of A, and rows of B^T, i.e. B's columns); a
+    DoRA magnitude is no row and stays. The model itself when rows are float32."""
+    import torch
+
+    from ort_lora.adapter_rows import served
+
+    if row_type in (None, "float32"):
+        return model
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.from_numpy(served(p.numpy(), row_type)))
+            elif "lora_B" in name:
+                p.copy_(torch.from_numpy(served(p.numpy().T, row_type).T.copy()))
+    return model
+
+
+def pool_rows(flat: np.ndarray, offsets, features: int, row_type: str | None) -> np.ndarray:
+    """float32 [len(offsets), features]: the rows of `features` values at these pool elements
+    of a layer's flat pool share, as LoraSGMV reads them."""
+    from ort_lora.adapter_rows import decode_rows, row_elems
+
+    n = row_elems(features, row_type)
+    rows = [flat[int(o) : int(o) + n] for o in offsets]
+    if not rows:
+        return np.zeros((0, features), np.float32)
+    rows = np.stack(rows)
+    return rows if row_type in (None, "float32") else decode_rows(rows, features, row_type)

@@ -12,9 +12,10 @@ import shutil
 
 import numpy as np
 import pytest
+from peft_cases import pool_rows, served_lora
 
+from ort_lora.adapter_rows import row_elems
 from ort_lora.adapters import AdapterError, AdapterNotFoundError, AdapterPathError, AdapterRegistry
-from ort_lora.bfloat16 import bfloat16_bits_to_float32
 from ort_lora.contract import LORA_MODULES, ModelManifest, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
@@ -96,41 +97,26 @@ def peft_delta(model, module, layer, x):
         return (lin(xt) - base(xt)).numpy()
 
 
-def pool_delta(pool, inputs, slot, module, layer, x, pack=1):
-    """Numpy forward of one slot's LoRA, rows gathered from the pool at the step offsets
-    (pack 2: bfloat16 rows, row at offset o starts at bfloat16 element 2 o, widened exactly)."""
+def pool_delta(pool, inputs, slot, module, layer, x, row_type=None):
+    """Numpy forward of one slot's LoRA, rows gathered from the pool at the step offsets (rows
+    of row_type, read as LoraSGMV reads them)."""
     flat = pool[layer].reshape(-1)  # key_cache.{l} then value_cache.{l}
-    if pack == 2:
-        flat = bfloat16_bits_to_float32(flat.view(np.uint16))
-    a_off = inputs[lora_input_name(module, "a_offsets")][slot] * pack
-    b_off = inputs[lora_input_name(module, "b_offsets")][slot] * pack
     r = inputs[lora_input_name(module, "ranks")][layer, slot]
     s = inputs[lora_input_name(module, "scales")][layer, slot]
+    a_off = inputs[lora_input_name(module, "a_offsets")][slot, :r]
+    b_off = inputs[lora_input_name(module, "b_offsets")][slot, :r]
     n_in, n_out = x.shape[1], manifest().lora_targets[module]["out"]
-    a = np.stack([flat[o : o + n_in] for o in a_off[:r]] or [np.zeros(n_in, np.float32)])
-    bt = np.stack([flat[o : o + n_out] for o in b_off[:r]] or [np.zeros(n_out, np.float32)])
-    return s * (x @ a[:r].T) @ bt[:r]  # [T, out]
+    a = pool_rows(flat, a_off, n_in, row_type)
+    bt = pool_rows(flat, b_off, n_out, row_type)
+    return s * (x @ a.T) @ bt  # [T, out]
 
 
-def bfloat16_lora(model):
-    """A copy of a PEFT model whose LoRA weights are rounded to bfloat16 (kept in float32)."""
-    import copy
-
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    return model
-
-
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
 def test_matches_peft_for_every_module_and_layer(adapters, adapter_dtype):
     """Rows written to the pool, read back at the step's offsets, give PEFT's LoRA delta
-    (bfloat16 rows: PEFT with the same bfloat16-rounded weights, float32 arithmetic)."""
+    (bfloat16 / int8 rows: PEFT with the weights rounded as served, float32 arithmetic)."""
     root, models = adapters
-    if adapter_dtype == "bfloat16":
-        models = {name: bfloat16_lora(m) for name, m in models.items()}
+    models = {name: served_lora(m, adapter_dtype) for name, m in models.items()}
     man = manifest(adapter_dtype=adapter_dtype)
     reg = AdapterRegistry(man, max_cpu_loras=8, adapter_root=root)
     rng = np.random.default_rng(0)
@@ -148,7 +134,7 @@ def test_matches_peft_for_every_module_and_layer(adapters, adapter_dtype):
             for layer in range(LAYERS):
                 x = rng.standard_normal((5, dims["in"])).astype(np.float32)
                 want = peft_delta(models[name], module, layer, x)
-                got = pool_delta(pool, inputs, slot, module, layer, x, man.adapter_row_pack)
+                got = pool_delta(pool, inputs, slot, module, layer, x, adapter_dtype)
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4,
                                            err_msg=f"{name} {module} layer {layer}")  # fmt: skip
 
@@ -192,7 +178,7 @@ def test_step_inputs_shapes_and_defaults(adapters):
     assert all(np.array_equal(by_name[k], v) for k, v in step.items())
 
 
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
 def test_rows_stay_inside_pages_and_halves(adapters, adapter_dtype):
     root, _ = adapters
     man = manifest(adapter_dtype=adapter_dtype)
@@ -204,7 +190,7 @@ def test_rows_stay_inside_pages_and_halves(adapters, adapter_dtype):
     for m, dims in man.lora_targets.items():
         r = step[lora_input_name(m, "ranks")][:, 0].max()
         for kind, n in (("a_offsets", dims["in"]), ("b_offsets", dims["out"])):
-            n = -(-n // man.adapter_row_pack)  # pool elements of the row
+            n = row_elems(n, adapter_dtype)  # pool elements of the row
             for o in step[lora_input_name(m, kind)][0, :r].tolist():
                 assert o // pe == (o + n - 1) // pe, f"{m} row at {o} straddles a page half"
                 assert (o // pe) % NUM_PAGES in pages

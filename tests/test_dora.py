@@ -17,10 +17,10 @@ import shutil
 import numpy as np
 import pytest
 
+from ort_lora.adapter_rows import served
 from ort_lora.adapters import AdapterError, AdapterRegistry
 from ort_lora.adapters.base_weights import ExportedWeights
 from ort_lora.adapters.host import load_adapter
-from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from ort_lora.contract import LORA_MODULES, lora_input_name
 from ort_lora.lora_request import LoRARequest
 
@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from peft_cases import pool_rows, served_lora  # noqa: E402
 from test_adapters import (  # noqa: E402
     BLOCK,
     HIDDEN,
@@ -83,19 +84,6 @@ def dora_adapters(tmp_path_factory):
     return root, models
 
 
-def bfloat16_ab(model):
-    """A copy of a PEFT model whose A and B are rounded to bfloat16 (the rows served); the
-    magnitude is not an adapter row (D is computed from it in float64), so it stays."""
-    import copy
-
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    return model
-
-
 def linear(model, module: str, layer: int):
     return getattr(getattr(model.base_model.model.model.layers[layer], BLOCK[module]), module)
 
@@ -121,14 +109,6 @@ def peft_scale(model, module: str, layer: int) -> np.ndarray:
         return (dora.weight / norm).numpy()
 
 
-def pool_row(pool, layer: int, offset: int, n: int, pack: int) -> np.ndarray:
-    """n values of the row at pool element `offset` of the layer's share (pack 2: bfloat16)."""
-    flat = pool[layer].reshape(-1)
-    if pack == 2:
-        return bfloat16_bits_to_float32(flat.view(np.uint16)[2 * offset : 2 * offset + n])
-    return flat[offset : offset + n]
-
-
 def placed(reg, name, aid, adapter_dtype, rng):
     """(pool, step inputs) with the adapter written into random free pages of slot 0."""
     pool = rng.standard_normal((LAYERS, 2, NUM_PAGES, 8, KV_HEADS, 16)).astype(np.float32)
@@ -137,20 +117,21 @@ def placed(reg, name, aid, adapter_dtype, rng):
     return pool, reg.lora_step_inputs([(0, aid, pages)], NUM_PAGES)
 
 
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
 @pytest.mark.parametrize("name", list(DORA_ADAPTERS))
 def test_pool_rows_give_peft_scale_and_output(dora_adapters, name, adapter_dtype, rng):
     """For every module and layer: 1 + D read from the pool at the step's dora offset is PEFT's
     scale, and (1 + D) (W x + s B A x) - W x is PEFT's DoRA delta lin(x) - base(x); layers and
-    modules without LoRA have no scale. bfloat16 rows: PEFT with A and B rounded to bfloat16 as
+    modules without LoRA have no scale. bfloat16 / int8 rows: PEFT with A and B rounded as
     served (the norm is the served rows'), D within its own rounding (relative to D)."""
     root, models = dora_adapters
-    model = models[name] if adapter_dtype is None else bfloat16_ab(models[name])
+    model = served_lora(models[name], adapter_dtype)
     man = manifest(adapter_dtype=adapter_dtype)
     reg = AdapterRegistry(man, base_weights=TorchBase(model))
     reg.register(LoRARequest(name, 1, str(root / name)))
     pool, inputs = placed(reg, name, 1, adapter_dtype, rng)
-    pack = man.adapter_row_pack
+    # D's relative rounding: bfloat16's 8 bits, or int8's half step of the row's peak
+    bits = {None: 0, "bfloat16": 2**-8, "int8": 0.5 / 127}[adapter_dtype]
     checked = 0
     for module in LORA_MODULES:
         offset = int(inputs[lora_input_name(module, "dora_offsets")][0])
@@ -161,24 +142,21 @@ def test_pool_rows_give_peft_scale_and_output(dora_adapters, name, adapter_dtype
             if rank == 0:
                 continue
             out = man.lora_targets[module]["out"]
-            d = pool_row(pool, layer, offset, out, pack)
-            bits = 2**-8 if pack == 2 else 0  # D rounded to bfloat16, relative to D
+            d = pool_rows(pool[layer].reshape(-1), [offset], out, adapter_dtype)[0]
             want = peft_scale(model, module, layer)
             np.testing.assert_allclose(1 + d, want, atol=bits * np.abs(want - 1).max() + 1e-6)
             checked += 1
             x = rng.standard_normal((5, man.lora_targets[module]["in"])).astype(np.float32)
-            _check_output(reg, model, module, layer, x, 1 + d, bits)
+            _check_output(reg, model, module, layer, x, 1 + d, bits, adapter_dtype)
     assert checked >= 2
 
 
-def _check_output(reg, model, module, layer, x, scale, bits):
-    """(1 + D) (W x + s B A x) - W x with the served rows is PEFT's lin(x) - base(x); bits:
-    D's relative rounding (bfloat16 rows)."""
+def _check_output(reg, model, module, layer, x, scale, bits, row_type=None):
+    """(1 + D) (W x + s B A x) - W x with the served rows (row_type) is PEFT's lin(x) -
+    base(x); bits: D's relative rounding."""
     lin = linear(model, module, layer)
     w = reg.get(1).modules[module]
-    a, bt = w.layer_a(layer), w.layer_bt(layer)
-    if bits:
-        a, bt = (bfloat16_bits_to_float32(float32_to_bfloat16_bits(v)) for v in (a, bt))
+    a, bt = served(w.layer_a(layer), row_type), served(w.layer_bt(layer), row_type)
     base = lin.base_layer.weight.detach().numpy()  # [out, in]
     merged = x @ base.T + w.scales[layer] * (x @ a.T) @ bt  # [T, out]
     with torch.no_grad():

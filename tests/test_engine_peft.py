@@ -125,18 +125,24 @@ def _lora(name, adapter_dirs):
 
 @pytest.fixture(scope="module")
 def exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory):
-    """The tiny export by the type of its adapter rows: float32, or bfloat16 packed two per
-    element of the float32 pool (export --adapter-dtype bfloat16: half the bytes per step)."""
+    """The tiny export by the type of its adapter rows: float32, bfloat16 packed two per
+    element of the float32 pool (export --adapter-dtype bfloat16: half the bytes per step), or
+    int8 with a scale per row (--adapter-dtype int8: a quarter)."""
     from ort_lora.export import export_model
 
-    out = tmp_path_factory.mktemp("tiny_bf16") / "model"
-    bf16 = export_model(
-        tiny_llama_checkpoint, out, block_size=8, adapter_dtype="bfloat16", progress=False
-    )
-    return {"float32": tiny_llama_export, "bfloat16": bf16}
+    out = {"float32": tiny_llama_export}
+    for row_type in ("bfloat16", "int8"):
+        out[row_type] = export_model(
+            tiny_llama_checkpoint,
+            tmp_path_factory.mktemp(f"tiny_{row_type}") / "model",
+            block_size=8,
+            adapter_dtype=row_type,
+            progress=False,
+        )
+    return out
 
 
-@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize(
     "limits",
     [
@@ -147,21 +153,24 @@ def exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory):
     ],
 )
 def test_mixed_batch_matches_peft(exports, hf_model, adapter_dirs, requests, limits, adapter_dtype):
-    """bfloat16 rows are checked against PEFT whose LoRA weights are rounded to bfloat16 the
-    same way (float32 arithmetic on both sides), to the same tolerance."""
-    from test_adapters import bfloat16_lora
+    """bfloat16 and int8 rows are checked against PEFT whose LoRA weights are rounded the same
+    way (adapter_rows.served; float32 arithmetic on both sides), to the same tolerance."""
+    from peft_cases import served_lora
 
     llm = LLM(exports[adapter_dtype], num_pages=256, **limits)
-    assert llm.engine.manifest.adapter_row_pack == (2 if adapter_dtype == "bfloat16" else 1)
+    assert llm.engine.manifest.adapter_dtype == (
+        None if adapter_dtype == "float32" else adapter_dtype
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in requests],
         params,
         lora_request=[_lora(n, adapter_dirs) for _, n in requests],
     )
-    rounded = bfloat16_lora if adapter_dtype == "bfloat16" else lambda model: model
     models = {None: hf_model}
-    models |= {n: rounded(_peft_model(hf_model, adapter_dirs[n])) for n in ADAPTERS}
+    models |= {
+        n: served_lora(_peft_model(hf_model, adapter_dirs[n]), adapter_dtype) for n in ADAPTERS
+    }
     for (prompt, name), out in zip(requests, outs):
         logp, greedy = _oracle(models[name], prompt)
         assert out.prompt_logprobs[0] is None

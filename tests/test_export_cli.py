@@ -51,14 +51,16 @@ def test_verify_fails_against_other_weights(tiny_llama_checkpoint, tmp_path, mon
     assert rc == 1 and "FAILED" in text
 
 
-def test_adapter_dtype_bfloat16_marks_every_lora_node(tiny_llama_checkpoint, tmp_path):
-    """--adapter-dtype bfloat16: every LoraSGMV node says so (TensorProto.BFLOAT16 = 16) and
-    the manifest records it; the default export carries no such attribute."""
+def test_adapter_dtype_marks_every_lora_node(tiny_llama_checkpoint, tmp_path):
+    """--adapter-dtype bfloat16 / int8: every LoraSGMV node says so (TensorProto.BFLOAT16 =
+    16, INT8 = 3) and the manifest records it; the default export carries no such attribute."""
     import onnx
 
     from ort_lora.contract import ModelManifest
 
-    for flag, want in ((["--adapter-dtype", "bfloat16"], 16), ([], None)):
+    names = {16: "bfloat16", 3: "int8", None: None}
+    for want, name in names.items():
+        flag = ["--adapter-dtype", name] if name else []
         out = tmp_path / f"out{want}"
         args = [str(tiny_llama_checkpoint), str(out), "--block-size", "8", "--quiet", *flag]
         assert export_main(args) == 0
@@ -67,5 +69,4 @@ def test_adapter_dtype_bfloat16_marks_every_lora_node(tiny_llama_checkpoint, tmp
         attrs = [{a.name: a.i for a in n.attribute}.get("adapter_dtype") for n in nodes]
         assert nodes and attrs == [want] * len(nodes)
         manifest = ModelManifest.load(out)
-        assert manifest.adapter_dtype == ("bfloat16" if want else None)
-        assert manifest.adapter_row_pack == (2 if want else 1)
+        assert manifest.adapter_dtype == name

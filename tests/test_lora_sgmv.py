@@ -3,12 +3,13 @@
 Plain segments, DoRA segments (a DoRA row scales the segment's rows) and composed segments
 (several weighted adapters over one segment's rows), mixed in one call with base rows. The
 10-input node (no composition, no DoRA: what exports before them carry) and the 14-input node
-both run. Every test runs for both adapter-row types: float32 pool elements (no attribute), and
-bfloat16 packed two per pool element (attribute adapter_dtype = 16). Every case draws fresh
+both run. Every test runs for each adapter-row type: float32 pool elements (no attribute),
+bfloat16 packed two per pool element (attribute adapter_dtype = 16), and int8 with a float32
+scale first in each row (adapter_dtype = 3; ort_lora/adapter_rows.py). Every case draws fresh
 random data from the `rng` fixture (seeded from the test id, the seed reported on failure); the
 pool is NaN outside the adapter rows, so a kernel reading anywhere else fails the comparison.
-The reference widens the same stored bfloat16 values, so both row types share the
-float32-accumulation tolerance.
+The reference reads the same stored bfloat16 / int8 values, so every row type shares the
+float32-accumulation tolerance (int8: the kernel folds the rows' scales into the shrink scale).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import ort_lora
+from ort_lora.adapter_rows import row_elems
 from ort_lora.ops.lora_sgmv_ref import ADAPTER_DTYPES, lora_sgmv, place_random_adapters
 
 INPUTS = [
@@ -44,11 +46,11 @@ OPTIONAL_INPUTS = [  # composition entries [E] and DoRA rows [num_slots]
     ("dora_offsets", TensorProto.INT64, 1),
 ]
 # Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
-RTOL = {"float32": 1e-5, "bfloat16": 1e-5}
+RTOL = {"float32": 1e-5, "bfloat16": 1e-5, "int8": 1e-5}
 # Adapter-row dtype -> node attributes: float32 rows are the default (no attribute).
-ATTRS = {"float32": {}, "bfloat16": {"adapter_dtype": ADAPTER_DTYPES["bfloat16"]}}
+ATTRS = {"float32": {}} | {t: {"adapter_dtype": ADAPTER_DTYPES[t]} for t in ("bfloat16", "int8")}
 # Adapter-row dtype -> how an out-of-range error counts a row's length.
-ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16"}
+ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16", "int8": r"int8 \(scale first"}
 each_dtype = pytest.mark.parametrize("dtype", list(RTOL))
 
 
@@ -147,11 +149,6 @@ def check(feeds, dtype, layer=0):
     assert_close(got, ref, dtype)
 
 
-def row_elems(features: int, dtype: str) -> int:
-    """Pool (float32) elements one row of `features` values spans."""
-    return -(-features // 2) if dtype == "bfloat16" else features
-
-
 @pytest.mark.parametrize("in_f,out_f", [(64, 192), (576, 1536)])
 @pytest.mark.parametrize("rank", [1, 4, 16, 64])
 @each_dtype
@@ -213,7 +210,9 @@ def test_segment_layouts(dtype, layout, rng):
     """Decode (one row per adapter: bfloat16 rows widened as loaded) and prefill (segments of
     >= 8 rows: bfloat16 rows widened once per call) layouts; with >= 16 rows, rows in K and V."""
     seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](rng)
-    case = (dtype, seg_lens, seg_slots, slot_ranks)
+    # int8 rows take a quarter of the pool elements: 4x the features fill key_cache as well
+    widths = (256, 768) if dtype == "int8" else (64, 192)
+    case = (dtype, seg_lens, seg_slots, slot_ranks, *widths)
     feeds = case_in_both_caches(rng, *case) if sum(slot_ranks) >= 16 else make_case(rng, *case)
     check(feeds, dtype)
 

@@ -39,7 +39,7 @@ OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
 void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
-  const SgmvPool pool = ReadSgmvPool(in, 2, /*bf16_rows=*/false);
+  const SgmvPool pool = ReadSgmvPool(in, 2, SgmvRowLayout::kPoolType);
   const SgmvPlan plan = BuildSgmvPlan(ReadSgmvMetadata(in, layer_), pool);
   auto y_out = ctx.GetOutput(0, in.y.shape);
   // RunLoraSgmv refuses a null stream (InputError naming it).

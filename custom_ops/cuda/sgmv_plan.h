@@ -101,7 +101,8 @@ SgmvStats GetSgmvStats();
       int64_t num_comp, const int64_t *dora_offsets, void *stream
 // Inside a C entry: its pool, its metadata, all its arguments as SgmvCEntry takes them, and
 // all of them as ORT_LORA_SGMV_C_PARAMS declares them (to call another entry).
-#define ORT_LORA_SGMV_C_POOL (ort_lora::SgmvPool{key_cache, value_cache, half, 2, false})
+#define ORT_LORA_SGMV_C_POOL \
+  (ort_lora::SgmvPool{key_cache, value_cache, half, 2, ort_lora::SgmvRowLayout::kPoolType})
 #define ORT_LORA_SGMV_C_META                                                              \
   (ort_lora::SgmvMetadata{seg_starts, seg_slots, a_offsets, b_offsets, ranks, scales,     \
                           num_segments, num_slots, max_rank, num_layers, layer, num_rows, \

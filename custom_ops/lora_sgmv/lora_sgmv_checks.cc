@@ -72,14 +72,14 @@ int64_t CheckedRank(const SgmvMetadata& m, const SgmvRankLimit& limit, int64_t s
 }
 
 // Address of the row of `features` values at pool element `offset`; the pool elements it spans
-// (`features`, or ceil(features / 2) for bfloat16 rows) must lie inside one of the halves.
+// (SgmvRowElems) must lie inside one of the halves.
 // The error names the row as name[slot, j], or name[slot] when j < 0.
 const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const char* name,
                 int64_t slot, int64_t j) {
   const auto* key = static_cast<const char*>(pool.key_cache);
   const auto* value = static_cast<const char*>(pool.value_cache);
   const int64_t half = pool.half;
-  const int64_t len = pool.bf16_rows ? (features + 1) / 2 : features;  // pool elements
+  const int64_t len = SgmvRowElems(pool.rows, features);  // pool elements
   // Written so that no sum can overflow, whatever the offset.
   if (offset >= 0 && offset < half && len <= half - offset) return key + offset * pool.elem_size;
   if (offset >= half && offset - half < half && len <= 2 * half - offset)
@@ -89,9 +89,11 @@ const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const ch
   at << name << "[" << slot;
   if (j >= 0) at << ", " << j;
   at << "] = " << offset << " is an out-of-range page: a row of ";
-  if (pool.bf16_rows)
-    Fail(at.str(), features, " bfloat16 (", len, " pool elements) must lie inside key_cache [0, ",
-         half, ") or value_cache [", half, ", ", 2 * half, ")");
+  if (pool.rows != SgmvRowLayout::kPoolType)
+    Fail(at.str(), features,
+         pool.rows == SgmvRowLayout::kInt8Scaled ? " int8 (scale first, " : " bfloat16 (", len,
+         " pool elements) must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ",
+         2 * half, ")");
   Fail(at.str(), len, " elements must lie inside key_cache [0, ", half, ") or value_cache [", half,
        ", ", 2 * half, ")");
 }

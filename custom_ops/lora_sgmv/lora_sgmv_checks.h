@@ -49,13 +49,33 @@ struct SgmvMetadata {
   const int64_t* dora_offsets;  // [num_slots], or null: no slot has a DoRA row
 };
 
+// How a row of adapter values sits in pool elements (the op's attribute adapter_dtype).
+enum class SgmvRowLayout : int {
+  kPoolType = 0,       // one value per pool element, of the pool's own type
+  kBFloat16Pairs = 1,  // CPU adapter_dtype 16: bfloat16 values, two per float32 pool element
+  kInt8Scaled = 2,     // CPU adapter_dtype 3: the row's float32 scale, then its int8 values
+                       // four per pool element (value = scale * q)
+};
+
+// Pool elements one row of `features` values spans.
+inline int64_t SgmvRowElems(SgmvRowLayout layout, int64_t features) {
+  switch (layout) {
+    case SgmvRowLayout::kBFloat16Pairs:
+      return (features + 1) / 2;
+    case SgmvRowLayout::kInt8Scaled:
+      return features == 0 ? 0 : 1 + (features + 3) / 4;
+    default:
+      return features;
+  }
+}
+
 // The layer's pool share: key_cache (elements [0, half)), then value_cache ([half, 2 half)).
 struct SgmvPool {
   const void* key_cache;
   const void* value_cache;
-  int64_t half;       // elements in each of key_cache and value_cache
-  int64_t elem_size;  // bytes per pool element (float32 on CPU, float16/bfloat16 on CUDA)
-  bool bf16_rows;     // rows are bfloat16 packed two per pool element (CPU adapter_dtype 16)
+  int64_t half;        // elements in each of key_cache and value_cache
+  int64_t elem_size;   // bytes per pool element (float32 on CPU, float16/bfloat16 on CUDA)
+  SgmvRowLayout rows;  // how a row's values sit in pool elements
 };
 
 // A provider's largest supported rank and the words its error uses for it:

@@ -1,4 +1,4 @@
-// LoraSGMV CPU kernel (float32, adapter rows float32 or bfloat16): balanced work items,
+// LoraSGMV CPU kernel (float32, adapter rows float32, bfloat16 or int8): balanced work items,
 // register-blocked micro-kernels written with GCC vector extensions, compiled three times
 // (AVX-512, AVX2+FMA, baseline x86-64) for each row type and selected at run time, so the
 // library runs on any x86-64 without -march=native.
@@ -50,7 +50,24 @@ ORT_LORA_INLINE V Load(const uint16_t* p) {
   return v;
 }
 
+// Lanes of int8 widened to float32 exactly (sign-extend, convert); the row's scale is applied
+// by the caller (folded into the shrink scale, lora_sgmv_plan.cc).
+template <int kLanes>
+struct Int8Bits {  // by lane count, as Bf16Bits
+  typedef int8_t I8 __attribute__((vector_size(kLanes), aligned(1)));
+  typedef int32_t I32 __attribute__((vector_size(4 * kLanes)));
+};
+
+template <typename V>
+ORT_LORA_INLINE V Load(const int8_t* p) {
+  using Bits = Int8Bits<sizeof(V) / sizeof(float)>;
+  typename Bits::I8 q;
+  __builtin_memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(__builtin_convertvector(q, typename Bits::I32), V);
+}
+
 ORT_LORA_INLINE float ToFloat(float f) { return f; }
+ORT_LORA_INLINE float ToFloat(int8_t q) { return static_cast<float>(q); }
 ORT_LORA_INLINE float ToFloat(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   float f;
@@ -162,27 +179,39 @@ ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const v
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
 constexpr int64_t kShrinkKBlock = 1024;
 
-// dst[0:len] = the bfloat16 row src widened to float32.
+// dst[0:len] = the row src (bfloat16 bits, or an int8 row's scale and values) widened to
+// float32.
 template <typename V>
-ORT_LORA_INLINE void WidenRow(const void* src, int64_t len, float* dst) {
+ORT_LORA_INLINE void WidenRow(const uint16_t* src, int64_t len, float* dst) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-  const uint16_t* h = static_cast<const uint16_t*>(src);
   int64_t c = 0;
-  for (; c + kLanes <= len; c += kLanes) Store<V>(dst + c, Load<V>(h + c));
-  for (; c < len; ++c) dst[c] = ToFloat(h[c]);
+  for (; c + kLanes <= len; c += kLanes) Store<V>(dst + c, Load<V>(src + c));
+  for (; c < len; ++c) dst[c] = ToFloat(src[c]);
+}
+template <typename V>
+ORT_LORA_INLINE void WidenRow(const int8_t* src, int64_t len, float* dst) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  float scale;
+  __builtin_memcpy(&scale, src, sizeof(scale));
+  const int8_t* q = src + sizeof(float);
+  const V sv = V{} + scale;
+  int64_t c = 0;
+  for (; c + kLanes <= len; c += kLanes) Store<V>(dst + c, sv * Load<V>(q + c));
+  for (; c < len; ++c) dst[c] = scale * ToFloat(q[c]);
 }
 
-// Widens every row of one long bfloat16 segment into its place in wide_values.
-template <typename V>
+// Widens every row of one segment (rows of type R) into its place in wide_values.
+template <typename V, typename R>
 ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   const int64_t seg = plan.widen[index];
   const SgmvSegment& s = plan.p->segments[seg];
   const int64_t in = plan.p->in_features, out = plan.p->out_features;
   float* a = plan.wide_values + plan.wide_base[seg];  // [r, lda]
   float* bt = a + s.rank * plan.lda;                  // [r, ldb], then D [ldb] if DoRA
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.a_rows[j], in, a + j * plan.lda);
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(s.bt_rows[j], out, bt + j * plan.ldb);
-  if (s.dora != nullptr) WidenRow<V>(s.dora, out, bt + s.rank * plan.ldb);
+  auto row = [](const void* r) { return static_cast<const R*>(r); };
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(row(s.a_rows[j]), in, a + j * plan.lda);
+  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(row(s.bt_rows[j]), out, bt + j * plan.ldb);
+  if (s.dora != nullptr) WidenRow<V>(row(s.dora), out, bt + s.rank * plan.ldb);
 }
 
 template <typename V, typename R>
@@ -285,7 +314,7 @@ ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index) {
 }
 
 // One clone per instruction set and row type; the vector width follows the widest registers
-// available. R = float (float32 rows) or uint16_t (bfloat16 rows).
+// available. R = float (float32 rows), uint16_t (bfloat16 rows) or int8_t (int8 rows).
 template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(SgmvCpuPlan& p, size_t i) {
   ShrinkItem<V16, R>(p, i);
@@ -310,23 +339,29 @@ template <typename R>
 void ExpandBase(SgmvCpuPlan& p, size_t i) {
   ExpandItem<V4, R>(p, i);
 }
+template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(SgmvCpuPlan& p, size_t i) {
-  WidenItemBody<V16>(p, i);
+  WidenItemBody<V16, R>(p, i);
 }
+template <typename R>
 __attribute__((target("avx2,fma"))) void WidenAvx2(SgmvCpuPlan& p, size_t i) {
-  WidenItemBody<V8>(p, i);
+  WidenItemBody<V8, R>(p, i);
 }
-void WidenBase(SgmvCpuPlan& p, size_t i) { WidenItemBody<V4>(p, i); }
+template <typename R>
+void WidenBase(SgmvCpuPlan& p, size_t i) {
+  WidenItemBody<V4, R>(p, i);
+}
 
 using ItemFn = void (*)(SgmvCpuPlan&, size_t);
 struct PassFns {
-  ItemFn widen;  // bfloat16 rows only
+  ItemFn widen;  // bfloat16 and int8 rows only
   ItemFn shrink;
   ItemFn expand;
 };
 struct Kernels {
   PassFns f32;   // float32 rows
   PassFns bf16;  // bfloat16 rows
+  PassFns i8;    // int8 rows
 };
 
 // The widest ISA the CPU has, capped by ORT_LORA_SGMV_ISA (avx512 | avx2 | baseline) so that
@@ -338,12 +373,15 @@ Kernels SelectKernels() {
   const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
     return {{nullptr, ShrinkAvx512<float>, ExpandAvx512<float>},
-            {WidenAvx512, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>}};
+            {WidenAvx512<uint16_t>, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>},
+            {WidenAvx512<int8_t>, ShrinkAvx512<int8_t>, ExpandAvx512<int8_t>}};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {{nullptr, ShrinkAvx2<float>, ExpandAvx2<float>},
-            {WidenAvx2, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>}};
+            {WidenAvx2<uint16_t>, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>},
+            {WidenAvx2<int8_t>, ShrinkAvx2<int8_t>, ExpandAvx2<int8_t>}};
   return {{nullptr, ShrinkBase<float>, ExpandBase<float>},
-          {WidenBase, ShrinkBase<uint16_t>, ExpandBase<uint16_t>}};
+          {WidenBase<uint16_t>, ShrinkBase<uint16_t>, ExpandBase<uint16_t>},
+          {WidenBase<int8_t>, ShrinkBase<int8_t>, ExpandBase<int8_t>}};
 }
 
 constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
@@ -364,7 +402,9 @@ void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost,
 void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
   SgmvCpuPlan plan = PlanSgmvCpu(problem);
-  const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16 : kernels.f32;
+  const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16
+                       : problem.row_type == SgmvRowType::kInt8   ? kernels.i8
+                                                                  : kernels.f32;
   RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for);
   RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for);
   RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for);

@@ -10,9 +10,11 @@
 // with its own adapter's scale * weight.
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
-// (tests use it to run the narrower kernels). Each clone exists for float32 and bfloat16 rows;
-// bfloat16 rows are widened to float32 (bits << 16) as they are loaded, or, for segments of 8+
-// rows (prefill), once per call into aligned scratch (lora_sgmv_plan.h). Accumulation: float32.
+// (tests use it to run the narrower kernels). Each clone exists for float32, bfloat16 and int8
+// rows; bfloat16 and int8 rows are widened to float32 as they are loaded (int8: the rows'
+// scales folded into the shrink scale, v[t, j] = scale_j * sA_j * sB_j * x[t] . qA_j), or, for
+// segments of 8+ rows (prefill), once per call into aligned scratch (lora_sgmv_plan.h).
+// Accumulation: float32.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +29,9 @@ namespace ort_lora {
 enum class SgmvRowType {
   kFloat32,   // const float*: `len` floats
   kBFloat16,  // const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
+  kInt8,      // const float*: the row's scale, then `len` int8 values q from the next byte
+              // (value = scale * q); the plan folds the scales of A and B^T rows into the
+              // shrink scale and widens the rows of long segments and of DoRA segments
 };
 
 // One segment that has adapters (rank > 0) and at least one row.

@@ -133,10 +133,10 @@ inline SgmvMetadata ReadSgmvMetadata(const LoraSgmvInputs& in, int64_t layer) {
 }
 
 // The pool share (key_cache, value_cache) of a call; elem_size is the caches' element size.
-inline SgmvPool ReadSgmvPool(const LoraSgmvInputs& in, int64_t elem_size, bool bf16_rows) {
+inline SgmvPool ReadSgmvPool(const LoraSgmvInputs& in, int64_t elem_size, SgmvRowLayout rows) {
   return {in.key_cache.value.GetTensorRawData(), in.value_cache.value.GetTensorRawData(),
           static_cast<int64_t>(in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount()),
-          elem_size, bf16_rows};
+          elem_size, rows};
 }
 
 template <typename T>

@@ -42,14 +42,37 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
-  const int64_t dtype = ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  if (dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT &&
-      dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)
-    Fail("attribute 'adapter_dtype' = ", dtype,
-         " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows) or 16 (BFLOAT16, "
-         "bfloat16 rows in the float32 pool)");
-  bf16_rows_ = dtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+  switch (ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      rows_ = SgmvRowLayout::kPoolType;
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      rows_ = SgmvRowLayout::kBFloat16Pairs;
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      rows_ = SgmvRowLayout::kInt8Scaled;
+      break;
+    default:
+      Fail("attribute 'adapter_dtype' = ", ReadAdapterDtype(ki, 0),
+           " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows), 16 (BFLOAT16, "
+           "bfloat16 rows in the float32 pool) or 3 (INT8, int8 rows with a float32 scale each)");
+  }
 }
+
+namespace {
+
+SgmvRowType KernelRowType(SgmvRowLayout rows) {
+  switch (rows) {
+    case SgmvRowLayout::kBFloat16Pairs:
+      return SgmvRowType::kBFloat16;
+    case SgmvRowLayout::kInt8Scaled:
+      return SgmvRowType::kInt8;
+    default:
+      return SgmvRowType::kFloat32;
+  }
+}
+
+}  // namespace
 
 OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
   return GuardCompute("LoraSGMV", [&] { Compute(context); });
@@ -61,14 +84,14 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   const SgmvMetadata meta = ReadSgmvMetadata(in, layer_);
   CheckSgmvLayer(meta);
   const SgmvCheckedCall call = CheckSgmvSegments(
-      meta, ListSgmvTerms(meta), ReadSgmvPool(in, sizeof(float), bf16_rows_), kRankLimit);
+      meta, ListSgmvTerms(meta), ReadSgmvPool(in, sizeof(float), rows_), kRankLimit);
   SgmvProblem problem{in.x.value.GetTensorData<float>(),
                       in.y.value.GetTensorData<float>(),
                       nullptr,
                       meta.num_rows,
                       meta.in_features,
                       meta.out_features,
-                      bf16_rows_ ? SgmvRowType::kBFloat16 : SgmvRowType::kFloat32,
+                      KernelRowType(rows_),
                       {}};
   std::vector<const void*> rows;  // problem.segments point into rows and scales
   std::vector<float> scales;

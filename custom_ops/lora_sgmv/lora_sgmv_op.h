@@ -44,6 +44,11 @@
 //       its low 16 bits), bfloat16 elements [2 o, 2 o + len), widened exactly (bits << 16);
 //       it spans ceil(len / 2) pool elements, all inside key_cache or inside value_cache (an
 //       odd len leaves one padding bfloat16, never read). Accumulation stays float32.
+//     3 (INT8): rows are int8 with one float32 scale per row. The row at pool element o is
+//       scale = element o (float32), then int8 values q[0:len] from byte 4 (o + 1) of the
+//       region (four per pool element, the first in the low byte; the last element padded);
+//       value k = scale * q[k]. It spans 1 + ceil(len / 4) pool elements (0 when len = 0),
+//       all inside key_cache or inside value_cache. Accumulation stays float32.
 //     Any other value fails at kernel creation, naming the attribute and the allowed values.
 // Limits: rank <= 512 (kMaxRank), also for the sum of a segment's terms. Bad inputs (shapes,
 // non-monotonic seg_starts, slot or rank out of range, a used row outside key_cache / value_cache,
@@ -53,6 +58,7 @@
 #pragma once
 
 #include "common/ort_common.h"
+#include "lora_sgmv/lora_sgmv_checks.h"
 
 namespace ort_lora {
 
@@ -63,7 +69,7 @@ struct LoraSgmvKernel {
  private:
   void Compute(OrtKernelContext* context);
   int64_t layer_;
-  bool bf16_rows_;  // attribute adapter_dtype = 16
+  SgmvRowLayout rows_;  // attribute adapter_dtype: 1 float32, 16 bfloat16, 3 int8 rows
 };
 
 struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {

@@ -38,14 +38,16 @@ void PlanWiden(SgmvCpuPlan& plan) {
   const SgmvProblem& p = *plan.p;
   plan.segs = p.segments;
   plan.wide_base.assign(p.segments.size(), -1);
-  if (p.row_type != SgmvRowType::kBFloat16) return;
+  if (p.row_type == SgmvRowType::kFloat32) return;
   plan.lda = CeilDiv(p.in_features, 16) * 16;
   plan.ldb = CeilDiv(p.out_features, 16) * 16;
   int64_t rows = 0;
   for (size_t i = 0; i < p.segments.size(); ++i) {
     const SgmvSegment& s = p.segments[i];
     const int64_t values = s.rank * (plan.lda + plan.ldb) + (s.dora != nullptr) * plan.ldb;
-    if (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues)
+    const bool must = p.row_type == SgmvRowType::kInt8 && s.dora != nullptr;
+    if (!must &&
+        (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues))
       continue;
     plan.wide_base[i] = plan.widen_cost;
     plan.widen.push_back(i);
@@ -67,6 +69,37 @@ void PlanWiden(SgmvCpuPlan& plan) {
     s.bt_rows = next + s.rank;
     if (s.dora != nullptr) s.dora = bt + s.rank * plan.ldb;
     next += 2 * s.rank;
+  }
+}
+
+float RowScale(const void* row) {
+  float scale;
+  __builtin_memcpy(&scale, row, sizeof(scale));
+  return scale;
+}
+
+// int8 rows read directly (segments not widened): point them past their scales, and fold the
+// scales of A row j and B^T row j into the segment's shrink scale j.
+void PlanInt8(SgmvCpuPlan& plan) {
+  const SgmvProblem& p = *plan.p;
+  if (p.row_type != SgmvRowType::kInt8) return;
+  int64_t total = 0;
+  for (size_t i = 0; i < p.segments.size(); ++i)
+    if (plan.wide_base[i] < 0) total += p.segments[i].rank;
+  plan.int8_rows.resize(2 * total);
+  plan.int8_scales.resize(total);
+  const void** rows = plan.int8_rows.data();
+  float* scales = plan.int8_scales.data();
+  for (size_t i = 0; i < p.segments.size(); ++i) {
+    if (plan.wide_base[i] >= 0) continue;
+    SgmvSegment& s = plan.segs[i];
+    for (int64_t j = 0; j < s.rank; ++j) {
+      rows[j] = static_cast<const char*>(s.a_rows[j]) + sizeof(float);
+      rows[s.rank + j] = static_cast<const char*>(s.bt_rows[j]) + sizeof(float);
+      scales[j] = s.scales[j] * RowScale(s.a_rows[j]) * RowScale(s.bt_rows[j]);
+    }
+    s.a_rows = rows, s.bt_rows = rows + s.rank, s.scales = scales;
+    rows += 2 * s.rank, scales += s.rank;
   }
 }
 
@@ -125,6 +158,7 @@ SgmvCpuPlan PlanSgmvCpu(const SgmvProblem& problem) {
   }
   plan.v.resize(v_size);
   PlanWiden(plan);
+  PlanInt8(plan);
   PlanShrink(plan);
   PlanExpand(plan);
   return plan;

@@ -2,9 +2,9 @@
 // decode call (many one-row segments) and a prefill call (few long segments) both give the
 // thread pool many similar items. No ONNX Runtime types; used by lora_sgmv_cpu.cc only.
 //
-// Passes, in order: widen (bfloat16 rows of long segments -> float32 scratch, one item per
-// segment), shrink (v = scales * x A^T), expand (y_out = (y + v B^T) (1 + D), and copies of base
-// rows).
+// Passes, in order: widen (bfloat16 or int8 rows of long segments, and int8 rows of DoRA
+// segments -> float32 scratch, one item per segment), shrink (v = scales * x A^T), expand (y_out =
+// (y + v B^T) (1 + D), and copies of base rows).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +36,10 @@ struct SgmvCpuPlan {
                                  // D [ldb] (DoRA)
   int64_t lda = 0, ldb = 0;      // widened row strides: in, out rounded up to 16 (cache lines)
   std::vector<const void*> wide_rows;  // per widened segment: r A, then r B^T row pointers
+  // int8 rows of segments not widened: per segment r A, then r B^T pointers to the values
+  // (past each row's scale), and r shrink scales with both rows' scales folded in
+  std::vector<const void*> int8_rows;
+  std::vector<float> int8_scales;
   std::vector<SgmvCpuItem> shrink;
   std::vector<SgmvCpuItem> expand;
   int64_t widen_cost = 0;   // floats of wide_values
@@ -43,9 +47,10 @@ struct SgmvCpuPlan {
   int64_t expand_cost = 0;
 };
 
-// Long bfloat16 segments (prefill) are widened to float32 once per call and run the float32
-// tiles: a value is converted once, not once per tile of x rows. Short ones (decode) convert
-// as they load, reading half the bytes.
+// Long bfloat16 and int8 segments (prefill) are widened to float32 once per call and run the
+// float32 tiles: a value is converted once, not once per tile of x rows. Short ones (decode)
+// convert as they load, reading a half or a quarter of the bytes. int8 DoRA segments are always
+// widened (the DoRA row's scale applies per element, which the direct tiles do not do).
 constexpr int64_t kWidenMinRows = 8;
 constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
 

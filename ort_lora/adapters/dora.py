@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ort_lora.adapter_rows import served
 from ort_lora.adapters.errors import AdapterError
-from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 if TYPE_CHECKING:
     from ort_lora.adapters.base_weights import BaseWeights
@@ -42,13 +42,13 @@ def weight_norm(rows, a: np.ndarray, bt: np.ndarray, scale: float) -> np.ndarray
     return norms
 
 
-def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, bfloat16_rows: bool = False) -> None:
+def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, row_type: str | None = None) -> None:
     """Set every DoRA module's `dora` rows: D = m / ||W + s B A||_row - 1, float32
     [num_layers, out], 0 in layers without LoRA on the module; the magnitudes are dropped.
-    bfloat16_rows: A and B are served rounded to bfloat16 (manifest adapter_dtype), so the norm
-    is that of the rows served. AdapterError names the module and layer whose base weight
-    cannot be read or whose scale is not finite (a zero norm, a magnitude not finite)."""
-    served = _bfloat16 if bfloat16_rows else np.asarray
+    row_type: A and B are served as rows of this type (manifest adapter_dtype: bfloat16 or
+    int8 rounding, adapter_rows.served), so the norm is that of the rows served. AdapterError
+    names the module and layer whose base weight cannot be read or whose scale is not finite
+    (a zero norm, a magnitude not finite)."""
     for module, w in adapter.modules.items():
         if w.magnitude is None:
             continue
@@ -60,7 +60,8 @@ def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, bfloat16_rows: bool
                 return base.rows(layer, module, start, stop)
 
             try:
-                a, bt = served(w.layer_a(layer)), served(w.layer_bt(layer))
+                a = served(w.layer_a(layer), row_type)
+                bt = served(w.layer_bt(layer), row_type)
                 norm = weight_norm(rows, a, bt, w.scales[layer])
             except AdapterError as e:
                 raise AdapterError(f"DoRA adapter {adapter.name!r}: {e}") from None
@@ -75,8 +76,3 @@ def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, bfloat16_rows: bool
                 )
             d[layer] = g - 1.0
         w.dora, w.magnitude = d, None
-
-
-def _bfloat16(values: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bfloat16 (nearest even), as the pool holds them."""
-    return bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))

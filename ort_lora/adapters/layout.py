@@ -5,10 +5,11 @@ page p starts at flat element (h * num_pages + p) * page_elems. An adapter owns 
 pages, the same in every layer, i.e. 2 * len(pages) "halves" of page_elems elements each.
 Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m, and a DoRA
 adapter's row D, length out_m, per module) are packed first-fit-decreasing into those halves,
-so no row straddles a half. The packing depends only on the adapter, page_elems and `pack`;
-the page list just maps half i to page pages[i // 2], half i % 2. pack = 2 (bfloat16 rows in
-a float32 pool, manifest.adapter_row_pack) puts two values in each pool element: a row of n
-values takes ceil(n / 2) elements. step_tables turns the slots' offsets, ranks and scales into
+so no row straddles a half. The packing depends only on the adapter, page_elems and the row
+type; the page list just maps half i to page pages[i // 2], half i % 2. The row type
+(manifest.adapter_dtype) is None (rows in the pool's dtype, one value per element) or, in a
+float32 pool, "bfloat16" or "int8" (ort_lora/adapter_rows.py: a row of n values takes
+row_elems(n) elements). step_tables turns the slots' offsets, ranks and scales into
 a step's per-module graph inputs.
 """
 
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ort_lora.adapter_rows import encode_rows, row_elems
 from ort_lora.adapters.compose import composition_entries
 from ort_lora.adapters.errors import AdapterError
-from ort_lora.bfloat16 import float32_to_bfloat16_bits
 from ort_lora.contract import LORA_MODULES, lora_input_name
 
 if TYPE_CHECKING:
@@ -44,22 +45,22 @@ class Packing:
         return (self.num_halves + 1) // 2
 
 
-def packing(adapter: HostAdapter, page_elems: int, pack: int = 1) -> Packing:
+def packing(adapter: HostAdapter, page_elems: int, row_type: str | None = None) -> Packing:
     """First-fit-decreasing packing of every row of the adapter (cached on the adapter)."""
     cache = adapter._packings
-    if (page_elems, pack) not in cache:
-        cache[page_elems, pack] = _pack(adapter, page_elems, pack)
-    return cache[page_elems, pack]
+    if (page_elems, row_type) not in cache:
+        cache[page_elems, row_type] = _pack(adapter, page_elems, row_type)
+    return cache[page_elems, row_type]
 
 
-def _pack(adapter: HostAdapter, page_elems: int, pack: int) -> Packing:
+def _pack(adapter: HostAdapter, page_elems: int, row_type: str | None) -> Packing:
     items = []  # (length in pool elements, module, kind, row)
     for m, w in adapter.modules.items():
         assert w.magnitude is None, "DoRA rows are computed (adapters/dora.py) before the layout"
         kinds = [("a", w.a.shape[2], w.max_rank), ("b", w.bt.shape[2], w.max_rank)]
         kinds += [("d", w.bt.shape[2], 1)] if w.dora is not None else []
         for kind, n, count in kinds:
-            length = -(-n // pack)
+            length = row_elems(n, row_type)
             if length > page_elems:
                 raise AdapterError(
                     f"adapter {adapter.name!r}: module {m} rows of length {length} do not fit a "
@@ -86,7 +87,7 @@ def _pack(adapter: HostAdapter, page_elems: int, pack: int) -> Packing:
 
 def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
     """Pool pages the adapter occupies (the same pages in every layer)."""
-    return packing(adapter, manifest.page_elems, manifest.adapter_row_pack).num_pages
+    return packing(adapter, manifest.page_elems, manifest.adapter_dtype).num_pages
 
 
 def layout(
@@ -99,7 +100,7 @@ def layout(
     of a pool with num_pages pages.
     """
     pe = manifest.page_elems
-    pk = packing(adapter, pe, manifest.adapter_row_pack)
+    pk = packing(adapter, pe, manifest.adapter_dtype)
     half_start = _half_starts(adapter, pages, pk, num_pages, pe)  # [num_halves]
     out = {}
     for m, (ah, arel, bh, brel) in pk.rows.items():
@@ -154,15 +155,17 @@ def _half_starts(adapter, pages, pk: Packing, num_pages: int, page_elems: int) -
     return (half % 2 * num_pages + pages[half // 2]) * page_elems  # [num_halves]
 
 
-def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) -> None:
+def write_to_pool(
+    adapter: HostAdapter, pages, pool: np.ndarray, row_type: str | None = None
+) -> None:
     """Copy every row of every layer of the adapter into its pages of the pool.
 
     pool: C-contiguous [num_layers, 2, num_pages, block_size, kv_heads, head_dim], any float
-    dtype (rows are cast); pack = 2: a float32 pool holding bfloat16 rows (rounded to nearest
-    even, two per element). One strided copy per row covers all layers at once.
+    dtype (rows are cast); row_type "bfloat16" or "int8": a float32 pool holding rows of that
+    type (adapter_rows.py). One strided copy per row covers all layers at once.
     """
-    if pack == 2 and pool.dtype != np.float32:
-        raise AdapterError(f"bfloat16 rows go into a float32 pool, got a {pool.dtype} pool")
+    if row_type is not None and pool.dtype != np.float32:
+        raise AdapterError(f"{row_type} rows go into a float32 pool, got a {pool.dtype} pool")
     if pool.ndim != 6 or not pool.flags.c_contiguous:
         raise AdapterError(
             f"pool must be a C-contiguous [num_layers, 2, num_pages, block, kv_heads, head_dim] "
@@ -171,9 +174,9 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
     num_layers, _, num_pages = pool.shape[:3]
     page_elems = int(np.prod(pool.shape[3:]))
     flat = pool.reshape(num_layers, -1)  # [L, 2 * num_pages * page_elems], a view
-    pk = packing(adapter, page_elems, pack)
+    pk = packing(adapter, page_elems, row_type)
     half_start = _half_starts(adapter, pages, pk, num_pages, page_elems)
-    if pack == 2:
+    if row_type is not None:
         flat = flat.view(np.uint32)  # bit patterns, copied as they are
     for m, w in adapter.modules.items():
         if w.a.shape[0] != num_layers:
@@ -181,7 +184,7 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
                 f"adapter {adapter.name!r} has {w.a.shape[0]} layers; the pool has {num_layers}"
             )
         ah, arel, bh, brel = pk.rows[m]
-        a, bt, d = _bfloat16_rows(adapter, m) if pack == 2 else (w.a, w.bt, w.dora)
+        a, bt, d = _encoded_rows(adapter, m, row_type) if row_type else (w.a, w.bt, w.dora)
         _copy_rows(flat, a, half_start[ah] + arel)
         _copy_rows(flat, bt, half_start[bh] + brel)
         if d is not None:
@@ -189,32 +192,24 @@ def write_to_pool(adapter: HostAdapter, pages, pool: np.ndarray, pack: int = 1) 
             _copy_rows(flat, d[:, None], half_start[[dh]] + drel)
 
 
-def prepare_rows(adapter: HostAdapter, pack: int) -> None:
+def prepare_rows(adapter: HostAdapter, row_type: str | None) -> None:
     """Convert the rows for pool loads now (when the adapter is loaded into host memory), not
     on its first pool load inside a step."""
-    if pack == 2:
+    if row_type is not None:
         for module in adapter.modules:
-            _bfloat16_rows(adapter, module)
+            _encoded_rows(adapter, module, row_type)
 
 
-def _bfloat16_rows(adapter: HostAdapter, module: str) -> tuple:
-    """The module's A, B^T and DoRA rows (None without DoRA) as bfloat16 pairs, converted once
-    per host adapter (every later pool load is then a plain copy of half the float32 bytes)."""
+def _encoded_rows(adapter: HostAdapter, module: str, row_type: str) -> tuple:
+    """The module's A, B^T and DoRA rows (None without DoRA) as pool elements of row_type
+    (uint32 [L, R, row_elems]), converted once per host adapter (every later pool load is then
+    a plain copy of a half or a quarter of the float32 bytes)."""
     cache = adapter._pool_rows
     if module not in cache:
         w = adapter.modules[module]
-        d = None if w.dora is None else _bfloat16_pairs(w.dora[:, None])[:, 0]
-        cache[module] = (_bfloat16_pairs(w.a), _bfloat16_pairs(w.bt), d)
+        d = None if w.dora is None else encode_rows(w.dora[:, None], row_type)[:, 0]
+        cache[module] = (encode_rows(w.a, row_type), encode_rows(w.bt, row_type), d)
     return cache[module]
-
-
-def _bfloat16_pairs(rows: np.ndarray) -> np.ndarray:
-    """float32 [L, R, n] -> uint32 [L, R, ceil(n / 2)]: bfloat16 bits, two per element (the
-    first in the low half: little-endian), a zero pad after an odd n."""
-    bits = float32_to_bfloat16_bits(rows)  # [L, R, n] uint16
-    if bits.shape[2] % 2:
-        bits = np.concatenate([bits, np.zeros((*bits.shape[:2], 1), np.uint16)], axis=2)
-    return np.ascontiguousarray(bits).view("<u4")
 
 
 def _copy_rows(flat: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> None:

@@ -296,7 +296,7 @@ class AdapterRegistry:
                 adapter.modules[m].dora, adapter.modules[m].magnitude = d, None
         elif adapter.is_dora:
             self._dora_rows(adapter)
-        prepare_rows(adapter, self.manifest.adapter_row_pack)
+        prepare_rows(adapter, self.manifest.adapter_dtype)
         self.stats["loads"] += 1
         return adapter
 
@@ -321,7 +321,7 @@ class AdapterRegistry:
                 f"adapter {adapter.name!r} is a DoRA adapter (use_dora): its scale needs the "
                 "base weights, and this registry has none (no model directory, no base_weights)"
             )
-        dora_scale_rows(adapter, self.base_weights, self.manifest.adapter_row_pack == 2)
+        dora_scale_rows(adapter, self.base_weights, self.manifest.adapter_dtype)
 
     def is_dora(self, name_or_id: str | int) -> bool:
         """Whether the registered adapter is a DoRA adapter (it cannot be composed)."""
@@ -368,7 +368,7 @@ class AdapterRegistry:
 
     def write_to_pool(self, name_or_id: str | int, pages, pool: np.ndarray) -> None:
         """Copy the adapter's rows of every layer into its pages of the pool array."""
-        write_to_pool(self.get(name_or_id), pages, pool, self.manifest.adapter_row_pack)
+        write_to_pool(self.get(name_or_id), pages, pool, self.manifest.adapter_dtype)
 
     def lora_step_inputs(
         self, slots: StepSlots, num_pages: int, segments: StepSegments | None = None

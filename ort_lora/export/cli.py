@@ -50,9 +50,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adapter-dtype",
         default=None,
-        choices=("float32", "float16", "bfloat16"),
+        choices=("float32", "float16", "bfloat16", "int8"),
         help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 (half "
-        "the adapter bytes per step, float32 accumulation)",
+        "the adapter bytes per step) or int8 (a quarter: one float32 scale per row); float32 "
+        "accumulation",
     )
     p.add_argument(
         "--block-size",

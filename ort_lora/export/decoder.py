@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from ort_lora import contract as C
+from ort_lora.adapter_rows import ROW_TYPES
 from ort_lora.export.arch import ArchConfig
 from ort_lora.export.errors import ExportError
 from ort_lora.export.graph import GraphBuilder, to_numpy
@@ -61,7 +62,7 @@ class DecoderBuilder:
         # LoraSGMV attribute: bfloat16 rows in the float32 pool (absent: the pool's dtype)
         self.lora_attrs = {}
         if adapter_dtype is not None:
-            self.lora_attrs["adapter_dtype"] = C.ADAPTER_DTYPE_ATTR[adapter_dtype]
+            self.lora_attrs["adapter_dtype"] = ROW_TYPES[adapter_dtype]
         self.quantizer = None if quant is None else Quantizer(quant, source, self.read)
         self.qgraph = None if quant is None else QuantGraph(graph, quant.accuracy_level)
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ort_lora import contract as C
+from ort_lora.adapter_rows import row_elems
 from ort_lora.export.arch import ArchConfig, arch_config
 from ort_lora.export.assets import make_manifest, write_generation_config, write_tokenizer
 from ort_lora.export.decoder import MSFT, expected_tensor_count
@@ -47,7 +48,8 @@ def export_model(
     lora_targets: iterable of module names (default: all seven linear modules).
     dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
     block_size: KV block size; None: default_block_size(device, head_dim).
-    adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu,
+    adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu, "int8"
+        (a float32 scale per row, a quarter of the bytes LoraSGMV reads per step) or
         "bfloat16" (half the bytes LoraSGMV reads per step; float32 accumulation).
     weights: None or the float dtype (weights in `dtype`), or "int4" / "int8" (cpu): base
         weights as MatMulNBits blocks of `quant_block_size` values (quantizer.py); adapters
@@ -72,7 +74,7 @@ def export_model(
         cfg.max_position_embeddings = extra["max_position_embeddings"]
     if block_size is None:
         block_size = default_block_size(device, cfg.head_dim)
-    _check_page_fits_rows(cfg, targets, block_size, 2 if adapter_dtype else 1)
+    _check_page_fits_rows(cfg, targets, block_size, adapter_dtype)
     if device == "cuda":
         _check_cuda_attention(cfg, block_size)
     if quant is not None:
@@ -205,12 +207,13 @@ def _check_device_dtype(device: str, dtype: str) -> None:
 
 
 def _check_adapter_dtype(device: str, dtype: str, adapter_dtype: str | None) -> str | None:
-    """None (rows in the pool's dtype) or "bfloat16" (cpu: bfloat16 rows in the float32 pool)."""
+    """None (rows in the pool's dtype) or, on cpu, "bfloat16" or "int8" rows in the float32
+    pool."""
     if adapter_dtype is None or adapter_dtype == dtype:
         return None
-    if device == "cpu" and adapter_dtype == "bfloat16":
+    if device == "cpu" and adapter_dtype in ("bfloat16", "int8"):
         return adapter_dtype
-    allowed = "float32 or bfloat16" if device == "cpu" else dtype
+    allowed = "float32, bfloat16 or int8" if device == "cpu" else dtype
     raise ExportError(
         f"adapter dtype {adapter_dtype!r} is not supported on device {device} with dtype "
         f"{dtype}; use {allowed}"
@@ -275,11 +278,13 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         )
 
 
-def _check_page_fits_rows(cfg: ArchConfig, targets: list[str], block_size: int, pack: int) -> None:
+def _check_page_fits_rows(
+    cfg: ArchConfig, targets: list[str], block_size: int, adapter_dtype: str | None
+) -> None:
     page = block_size * cfg.num_kv_heads * cfg.head_dim
     sizes = cfg.module_sizes()
     widest = max((max(sizes[m]["in"], sizes[m]["out"]) for m in targets), default=0)
-    widest = -(-widest // pack)  # pool elements of the widest row
+    widest = row_elems(widest, adapter_dtype)  # pool elements of the widest row
     if widest > page:
         need = -(-widest // (cfg.num_kv_heads * cfg.head_dim))
         raise ExportError(

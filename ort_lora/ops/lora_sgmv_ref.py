@@ -3,8 +3,8 @@
 `lora_sgmv` is the readable definition of the op (custom_ops/lora_sgmv/lora_sgmv_op.h) and the
 oracle its tests compare the kernel with. `place_random_adapters` lays adapters' A and B^T rows
 out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
-for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16") bfloat16
-values packed two per float32 pool element, the first in its low 16 bits (little-endian).
+for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16" or
+"int8") rows of those types in the float32 pool, laid out as ort_lora/adapter_rows.py says.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from ort_lora.adapter_rows import ROW_TYPES, decode_rows, encode_rows, row_elems
 
-ADAPTER_DTYPES = {"float32": 1, "bfloat16": 16}  # name -> LoraSGMV attribute adapter_dtype
+ADAPTER_DTYPES = ROW_TYPES  # name -> LoraSGMV attribute adapter_dtype
 BF16_NAN_PAIR = 0x7FC07FC0  # a float32 NaN whose two bfloat16 halves are NaN as well
 
 
@@ -26,17 +26,12 @@ def _check_adapter_dtype(adapter_dtype: str) -> None:
         )
 
 
-def _row_elems(features: int, adapter_dtype: str) -> int:
-    """Pool (float32) elements a row of `features` values occupies."""
-    return -(-features // 2) if adapter_dtype == "bfloat16" else features
-
-
 def _pool_row(
     region: np.ndarray, num_key: int, offset: int, features: int, what: str, adapter_dtype: str
 ) -> np.ndarray:
     """float64 [features]: the row at pool element `offset` of the flat float32 pool share; the
     pool elements it spans must not cross K/V or the end."""
-    length = _row_elems(features, adapter_dtype)
+    length = row_elems(features, adapter_dtype)
     end = offset + length
     inside_key = offset >= 0 and end <= num_key
     inside_value = num_key <= offset and end <= region.size
@@ -47,8 +42,7 @@ def _pool_row(
         )
     if adapter_dtype == "float32":
         return region[offset:end].astype(np.float64)
-    halves = region[offset:end].view(np.uint16)[:features]  # little-endian: low half first
-    return bfloat16_bits_to_float32(halves).astype(np.float64)
+    return decode_rows(region[offset:end], features, adapter_dtype).astype(np.float64)
 
 
 def lora_sgmv(
@@ -98,6 +92,9 @@ def lora_sgmv(
       element o holds bfloat16 values: region viewed as uint16 (little-endian), elements
       [2 o, 2 o + len), widened exactly (bits << 16); it spans ceil(len / 2) pool elements,
       which must lie inside key_cache or value_cache.
+    adapter_dtype="int8" (attribute adapter_dtype = 3): element o is the row's float32 scale,
+      then int8 values q from byte 4 (o + 1), value = scale * q; it spans 1 + ceil(len / 4)
+      pool elements.
     """
     _check_adapter_dtype(adapter_dtype)
     num_key = key_cache.size
@@ -167,8 +164,12 @@ def _write_row(dst: np.ndarray, values: np.ndarray, adapter_dtype: str) -> None:
     if adapter_dtype == "float32":
         dst[...] = values
         return
-    halves = dst.view(np.uint16)  # [2 * len(dst)], the last one padding if features is odd
-    halves[: values.size] = float32_to_bfloat16_bits(values.astype(np.float32))
+    if adapter_dtype == "bfloat16":  # value halves only: an odd row's padding half stays NaN
+        dst.view(np.uint16)[: values.size] = encode_rows(values, adapter_dtype).view("<u2")[
+            : values.size
+        ]
+        return
+    dst.view(np.uint32)[...] = encode_rows(values, adapter_dtype)
 
 
 @dataclass
@@ -206,6 +207,8 @@ def place_random_adapters(
     adapter_dtype="bfloat16": rows hold the values rounded to bfloat16 (nearest even), packed
     two per pool element; offsets and gaps count pool elements, a row of odd length ends with
     one bfloat16 of padding (NaN), and every other pool element is NaN in both halves.
+    adapter_dtype="int8": rows hold the values quantized per row (scale, then int8 values,
+    the last element zero-padded).
     """
     _check_adapter_dtype(adapter_dtype)
     if min(slot_ranks, default=0) < 0:
@@ -214,7 +217,7 @@ def place_random_adapters(
     rows += [(s, 0, "d") for s in dora_slots]
     rows = [rows[i] for i in rng.permutation(len(rows))]
     features = {"a": in_features, "b": out_features, "d": out_features}
-    length = {kind: _row_elems(n, adapter_dtype) for kind, n in features.items()}
+    length = {kind: row_elems(n, adapter_dtype) for kind, n in features.items()}
     page_elems = int(np.prod(page_shape))
     needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
     num_pages = max(1, -(-needed // (2 * page_elems)) + 1)

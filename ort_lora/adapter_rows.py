@@ -1,0 +1,95 @@
+"""Adapter rows in a float32 (CPU) pool, by row type (manifest.adapter_dtype; ort_lora/contract.py).
+
+A row of n values at pool element o spans row_elems(n, row_type) pool elements:
+  None / "float32"  n float32 values, one per element (a non-float32 pool: its own dtype)
+  "bfloat16"        n bfloat16 values, two per element, the first in its low 16 bits
+                    (little-endian); an odd n leaves one padding bfloat16
+  "int8"            element o is the row's float32 scale, then n int8 values q, four per
+                    element from byte 4 (o + 1), the last element zero-padded; value k is
+                    scale * q[k], scale = max |row| / 127 and q = round(value / scale)
+                    (symmetric per row: LoRA rows are centred on zero)
+encode_rows gives the pool elements' bit patterns (uint32), decode_rows the values the kernel
+reads back, served both in turn: the values an adapter is served with (what PEFT must be given
+for an exact comparison, and what DoRA's weight norm uses). Pure numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+# row type -> the LoraSGMV attribute adapter_dtype (an ONNX TensorProto element type)
+ROW_TYPES = {"float32": 1, "bfloat16": 16, "int8": 3}
+INT8_MAX = 127
+
+
+def check_row_type(row_type: str | None) -> None:
+    if row_type is not None and row_type not in ROW_TYPES:
+        raise ValueError(f"adapter row type must be one of {list(ROW_TYPES)}, got {row_type!r}")
+
+
+def row_elems(features: int, row_type: str | None) -> int:
+    """Pool elements a row of `features` values spans."""
+    if row_type == "bfloat16":
+        return -(-features // 2)
+    if row_type == "int8":
+        return 1 + -(-features // 4) if features else 0
+    return features
+
+
+def encode_rows(rows: np.ndarray, row_type: str) -> np.ndarray:
+    """float32 rows [..., n] -> uint32 [..., row_elems(n)]: the pool elements' bit patterns of
+    bfloat16 or int8 rows."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n = rows.shape[-1]
+    if row_type == "bfloat16":
+        bits = float32_to_bfloat16_bits(rows)  # [..., n] uint16
+        return _packed(bits, 2, np.uint16)
+    if row_type != "int8":
+        raise ValueError(f"encode_rows takes bfloat16 or int8 rows, got {row_type!r}")
+    scale, q = _int8(rows)
+    if not n:
+        return np.zeros((*rows.shape[:-1], 0), np.uint32)
+    values = _packed(q, 4, np.int8)
+    return np.concatenate([scale[..., None].view(np.uint32), values], axis=-1)
+
+
+def decode_rows(elems: np.ndarray, features: int, row_type: str) -> np.ndarray:
+    """float32 [..., features]: the values of rows stored as `elems` [..., row_elems] (any
+    4-byte dtype: float32 pool elements or their uint32 bit patterns)."""
+    elems = np.ascontiguousarray(elems).view(np.uint32)
+    if row_type == "bfloat16":
+        return bfloat16_bits_to_float32(elems.view("<u2")[..., :features])
+    if row_type != "int8":
+        raise ValueError(f"decode_rows takes bfloat16 or int8 rows, got {row_type!r}")
+    if not features:
+        return np.zeros((*elems.shape[:-1], 0), np.float32)
+    scale = elems[..., :1].view(np.float32)
+    q = np.ascontiguousarray(elems[..., 1:]).view(np.int8)[..., :features]
+    return scale * q.astype(np.float32)
+
+
+def served(values: np.ndarray, row_type: str | None) -> np.ndarray:
+    """float32 values as rows of row_type hold them (the last axis is the row)."""
+    if row_type in (None, "float32"):
+        return np.asarray(values, np.float32)
+    return decode_rows(encode_rows(values, row_type), np.shape(values)[-1], row_type)
+
+
+def _int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8: scale float32 [...], q int8 [..., n] with rows ~ scale * q."""
+    peak = np.abs(rows).max(axis=-1) if rows.shape[-1] else np.zeros(rows.shape[:-1], np.float32)
+    scale = (peak / INT8_MAX).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[..., None] > 0, rows / scale[..., None], 0.0)
+    return scale, np.clip(np.rint(q), -INT8_MAX, INT8_MAX).astype(np.int8)
+
+
+def _packed(values: np.ndarray, per_elem: int, dtype) -> np.ndarray:
+    """[..., n] values of a 4 / per_elem byte type -> uint32 [..., ceil(n / per_elem)], zero
+    padded, the first value in the low bytes."""
+    pad = -values.shape[-1] % per_elem
+    if pad:
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], pad), dtype)], axis=-1)
+    return np.ascontiguousarray(values.astype(dtype)).view("<u4")
