@@ -2,8 +2,8 @@
 
   LoraSGMV        vs numpy (BLAS) matmuls doing the same FLOPs on dense, gathered weights:
                   x_s @ A_s^T, then @ B_s^T, per segment  -> FLOP-rate ratio (target >= 50 %)
-  LoraSGMV rows   float32 vs bfloat16 adapter rows (attribute adapter_dtype = 16) at decode and
-                  prefill shapes -> speedup and bytes moved per call
+  LoraSGMV rows   float32 vs bfloat16 and int8 adapter rows (attribute adapter_dtype = 16, 3)
+                  at decode and prefill shapes -> speedup and bytes moved per call
   LoraSGMV mixes  DoRA segments vs plain LoRA of the same rank (target: within 5 %), and
                   segments composing 2 adapters vs 1 (target: the extra cost is the second
                   adapter's bytes: compare with one adapter of twice the rank, same bytes)
@@ -44,6 +44,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 import ort_lora  # noqa: E402
+from ort_lora.adapter_rows import row_elems  # noqa: E402
 from ort_lora.bench.cli import cpu_name  # noqa: E402
 from ort_lora.ops.lora_sgmv_ref import (  # noqa: E402
     ADAPTER_DTYPES,
@@ -246,31 +247,36 @@ def layers_runner(sess, feeds, y_out, layers, per_layer, slot_inputs, dtype="flo
     return run
 
 
+ROW_DTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "i8"}  # row type -> column prefix
+
+
 def bench_sgmv_row_dtypes(name, rows, adapters, rank, in_f, out_f, layers, reps, seed, clock):
-    """float32 vs bfloat16 adapter rows, same shapes; times per call; bytes = adapter rows read
-    + x, y, y_out."""
-    dtypes = ("float32", "bfloat16")
+    """float32 vs bfloat16 and int8 adapter rows, same shapes; times per call; bytes = adapter
+    rows read (int8: a scale per row) + x, y, y_out."""
+    dtypes = list(ROW_DTYPES)
     runs = [
         sgmv_row_dtype_runner(rows, adapters, rank, in_f, out_f, d, seed, layers) for d in dtypes
     ]
     if layers == 1:  # warm: each alone, so that its rows stay in cache between runs
         timed = [run_times(run, reps, clock) for run in runs]
-    else:  # cold: in turn, as a busy machine then slows both alike
+    else:  # cold: in turn, as a busy machine then slows all alike
         timed = paired_times(runs, max(5, reps // layers), clock, warmup=1)
-    times = {d: (median / layers, best / layers) for d, (median, best) in zip(dtypes, timed)}
     act_bytes = 4 * rows * (in_f + 2 * out_f)
-    row_values = adapters * rank * (in_f + out_f)
-    f32_bytes, bf16_bytes = 4 * row_values + act_bytes, 2 * row_values + act_bytes
-    (t32, t32_min), (t16, t16_min) = times["float32"], times["bfloat16"]
-    return {
-        "case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f, "out": out_f,
-        "layers": layers, "pool_mb": layers * 4 * row_values / 1e6,
-        "f32_ms": t32 * 1e3, "bf16_ms": t16 * 1e3, "speedup": t32 / t16,
-        "f32_mb": f32_bytes / 1e6, "bf16_mb": bf16_bytes / 1e6,
-        "f32_gbps": f32_bytes / t32 / 1e9, "bf16_gbps": bf16_bytes / t16 / 1e9,
-        "f32_min_ms": t32_min * 1e3, "bf16_min_ms": t16_min * 1e3,
-        "speedup_min": t32_min / t16_min,
-    }  # fmt: skip
+    out = {"case": name, "rows": rows, "adapters": adapters, "rank": rank, "in": in_f,
+           "out": out_f, "layers": layers}  # fmt: skip
+    t32, t32_min = (timed[0][0] / layers, timed[0][1] / layers)
+    for d, (median, best) in zip(dtypes, timed):
+        t, t_min = median / layers, best / layers
+        row_bytes = 4 * adapters * rank * sum(row_elems(n, d) for n in (in_f, out_f))
+        if d == "float32":
+            out["pool_mb"] = layers * row_bytes / 1e6
+        key = ROW_DTYPES[d]
+        out |= {f"{key}_ms": t * 1e3, f"{key}_min_ms": t_min * 1e3,
+                f"{key}_mb": (row_bytes + act_bytes) / 1e6,
+                f"{key}_gbps": (row_bytes + act_bytes) / t / 1e9}  # fmt: skip
+        if d != "float32":
+            out |= {f"speedup_{key}": t32 / t, f"speedup_{key}_min": t32_min / t_min}
+    return out
 
 
 # ---- LoraSGMV: DoRA and composition -----------------------------------------------------------
@@ -506,7 +512,8 @@ def main(argv=None) -> int:
         sgmv.append(bench_sgmv(*case, reps=reps, seed=i, clock=clock))
     row_dtypes = []
     for i, case in enumerate(dtype_cases):
-        print(f"[{len(cases) + i + 1}/{total}] LoraSGMV rows f32/bf16 {case[0]} ...", flush=True)
+        done = len(cases) + i + 1
+        print(f"[{done}/{total}] LoraSGMV rows f32/bf16/int8 {case[0]} ...", flush=True)
         row_dtypes.append(bench_sgmv_row_dtypes(*case, reps=reps, seed=50 + i, clock=clock))
     mix_rows = []
     for i, case in enumerate(mixes):
@@ -521,10 +528,10 @@ def main(argv=None) -> int:
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
     title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
     print_table(title, sgmv, cols)
-    cols = ["case", "rows", "layers", "f32_ms", "bf16_ms", "speedup", "speedup_min", "f32_mb"]
-    cols += ["bf16_mb", "f32_gbps", "bf16_gbps"]
-    title = "LoraSGMV 576->1536 rank 16, adapter rows float32 vs bfloat16 (per call; MB = adapter"
-    title += " rows + x, y, y_out)"
+    cols = ["case", "rows", "layers", "f32_ms", "bf16_ms", "i8_ms", "speedup_bf16", "speedup_i8"]
+    cols += ["speedup_i8_min", "f32_mb", "bf16_mb", "i8_mb", "f32_gbps", "i8_gbps"]
+    title = "LoraSGMV 576->1536 rank 16, adapter rows float32 vs bfloat16 and int8 (per call; MB ="
+    title += " adapter rows + x, y, y_out)"
     print_table(title, row_dtypes, cols)
     cols = ["case", "rows", "layers", "lora_ms", "dora_ms", "dora_vs_lora", "dora_vs_lora_min"]
     cols += ["compose2_ms", "lora_2x_rank_ms", "compose2_vs_lora", "compose2_vs_2x_rank"]

@@ -51,19 +51,31 @@ ORT_LORA_INLINE V Load(const uint16_t* p) {
 }
 
 // Lanes of int8 widened to float32 exactly (sign-extend, convert); the row's scale is applied
-// by the caller (folded into the shrink scale, lora_sgmv_plan.cc).
+// by the caller (folded into the shrink scale, lora_sgmv_plan.cc). GCC 12 turns a direct int8 ->
+// int32 vector conversion into scalar byte extracts: the AVX2 / AVX-512 clones sign-extend with
+// one vpmovsxbd, the baseline goes through int16 (punpck / pcmpgt).
 template <int kLanes>
 struct Int8Bits {  // by lane count, as Bf16Bits
-  typedef int8_t I8 __attribute__((vector_size(kLanes), aligned(1)));
+  typedef int8_t I8 __attribute__((vector_size(kLanes)));
+  typedef int16_t I16 __attribute__((vector_size(2 * kLanes)));
   typedef int32_t I32 __attribute__((vector_size(4 * kLanes)));
 };
 
 template <typename V>
 ORT_LORA_INLINE V Load(const int8_t* p) {
   using Bits = Int8Bits<sizeof(V) / sizeof(float)>;
-  typename Bits::I8 q;
-  __builtin_memcpy(&q, p, sizeof(q));
-  return __builtin_convertvector(__builtin_convertvector(q, typename Bits::I32), V);
+  typename Bits::I32 wide;
+  if constexpr (sizeof(V) >= 32) {
+    // Only the AVX2 / AVX-512 clones have vectors this wide, so this never runs without them.
+    const auto* bytes = reinterpret_cast<const char (*)[sizeof(V) / 4]>(p);
+    asm("vpmovsxbd %1, %0" : "=v"(wide) : "m"(*bytes));
+  } else {
+    typename Bits::I8 q;
+    __builtin_memcpy(&q, p, sizeof(q));
+    wide =
+        __builtin_convertvector(__builtin_convertvector(q, typename Bits::I16), typename Bits::I32);
+  }
+  return __builtin_convertvector(wide, V);
 }
 
 ORT_LORA_INLINE float ToFloat(float f) { return f; }
