@@ -1,14 +1,17 @@
-"""Which export should `ort-lora serve` run by default: float32 or int4 (issue 13)?
+"""Which export should `ort-lora serve` run by default: float32 or int4, and with which adapter
+rows (issue 13)?
 
     python bench/bench_default_model.py --out docs/bench/default_model.json
+    python bench/bench_default_model.py --variants int4,int4-int8rows --out ...
 
-Both are exports of the same SmolLM2-135M-Instruct GGUF (the int4 one carries its Q4_1 blocks
-over; ort_lora/server/default_model.py), served with the three demo adapters. Measured in one
-process, the exports alternating:
+Every variant is an export of the same SmolLM2-135M-Instruct GGUF (int4 carries its Q4_1 blocks
+over; ort_lora/server/default_model.py; "-int8rows": adapter rows int8 with a scale per row,
+export --adapter-dtype int8), served with the three demo adapters. Measured in one process,
+the exports alternating:
 
 - quality: held-out success of every demo task (ort_lora/demo/tasks.py, the whole "eval"
   split, greedy, 24 new tokens, the chat template), with its adapter and on the base model,
-  and how many answers the two exports share word for word;
+  and how many answers each export shares word for word with the first variant;
 - speed: the demo adapters' held-out prompts served at two loads, one request at a time
   (interactive) and all at once (a busy server), 32 new tokens each (EOS ignored): output
   tokens per wall second and per CPU second of this process, median of --reps alternating
@@ -27,18 +30,23 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"float32": {}, "int4": {"weights": "int4"}}
+VARIANTS = {
+    "float32": {},
+    "int4": {"weights": "int4"},
+    "int4-int8rows": {"weights": "int4", "adapter_dtype": "int8"},
+}
 NEW_TOKENS_QUALITY = 24
 NEW_TOKENS_SPEED = 32
 
 
-def exports(cache: Path) -> dict[str, Path]:
-    """The two exports of the default model, built once into `cache`."""
+def exports(cache: Path, names: list[str]) -> dict[str, Path]:
+    """The named exports of the default model, built once into `cache`."""
     from ort_lora.export import export_model
     from ort_lora.server.default_model import default_gguf_path
 
     out = {}
-    for name, options in VARIANTS.items():
+    for name in names:
+        options = VARIANTS[name]
         path = cache / f"default_{name}"
         if not (path / "ort_lora_manifest.json").is_file():
             export_model(default_gguf_path(), path, force=True, progress=False, **options)
@@ -105,13 +113,21 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=".cache/bench/default_model")
     p.add_argument("--reps", type=int, default=3, help="alternating speed rounds")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--variants",
+        default="float32,int4",
+        help=f"comma-separated, of {list(VARIANTS)}; answers are compared with the first",
+    )
     args = p.parse_args(argv)
+    names = args.variants.split(",")
+    if len(names) < 2 or set(names) - set(VARIANTS):
+        p.error(f"--variants: two or more of {list(VARIANTS)}, got {args.variants!r}")
 
     from ort_lora import LLM
     from ort_lora.bench.cli import cpu_name
     from ort_lora.demo.tasks import TASKS
 
-    paths = exports(Path(args.cache_dir))
+    paths = exports(Path(args.cache_dir), names)
     llms = {n: LLM(str(path), intra_op_num_threads=args.threads) for n, path in paths.items()}
     doc = {
         "command": "python bench/bench_default_model.py " + " ".join(sys.argv[1:]),
@@ -135,34 +151,39 @@ def main(argv=None) -> int:
 
 
 def agreement(q: dict) -> dict:
-    """Per task and adapter/base: the share of held-out answers equal in float32 and int4."""
-    f, i = q["float32"], q["int4"]
+    """Per variant after the first, task and adapter/base: the share of held-out answers equal
+    to the first variant's."""
+    first, *others = q
+
+    def same(task: str, other: str, w: str) -> float:
+        pairs = zip(q[first][task]["answers"][w], q[other][task]["answers"][w])
+        return statistics.mean(a == b for a, b in pairs)
+
     return {
-        task: {
-            w: statistics.mean(a == b for a, b in zip(f[task]["answers"][w], i[task]["answers"][w]))
-            for w in ("adapter", "base")
-        }  # fmt: skip
-        for task in f
+        o: {task: {w: same(task, o, w) for w in ("adapter", "base")} for task in q[first]}
+        for o in others
     }
 
 
 def report(doc: dict) -> str:
     lines = [f"{doc['date']}  {doc['cpu']}  load {doc['loadavg_start'][0]:.1f}", ""]
-    lines.append("task       export   adapter  base   same answers (adapter / base)")
-    for task in doc["quality"]["float32"]:
+    first = next(iter(doc["quality"]))
+    header = "task       export         adapter  base   same answers as"
+    lines.append(f"{header} {first} (adapter / base)")
+    for task in doc["quality"][first]:
         for name, q in doc["quality"].items():
-            t, same = q[task], doc["agreement"][task]
+            t, same = q[task], doc["agreement"].get(name, {}).get(task)
             lines.append(
-                f"{task:<10} {name:<8} {t['adapter_success']:>7.1%} {t['base_success']:>5.1%}"
-                + (f"   {same['adapter']:.0%} / {same['base']:.0%}" if name == "int4" else "")
+                f"{task:<10} {name:<14} {t['adapter_success']:>7.1%} {t['base_success']:>5.1%}"
+                + (f"   {same['adapter']:.0%} / {same['base']:.0%}" if same else "")
             )
-    lines += ["", "load           export   tok/s (median)  tok/CPU-s (median)"]
+    lines += ["", "load           export         tok/s (median)  tok/CPU-s (median)"]
     for load in ("one_at_a_time", "concurrent"):
         for name, s in doc["speed"].items():
             runs = s[load]
             wall = statistics.median(r["tok_s"] for r in runs)
             cpu = statistics.median(r["tok_cpu_s"] for r in runs)
-            lines.append(f"{load:<14} {name:<8} {wall:>14.1f} {cpu:>19.1f}")
+            lines.append(f"{load:<14} {name:<14} {wall:>14.1f} {cpu:>19.1f}")
     return "\n".join(lines)
 
 

@@ -30,9 +30,9 @@ ORT_LORA_INLINE V Load(const float* p) {
   return v;
 }
 
-// Lanes of bfloat16 widened to float32 exactly: zero-extend, shift into the high half. (GCC 12
-// emits vpmovzxwd per 128 bits plus inserts for this, intrinsics included; still cheaper than
-// the float32 bytes it saves when rows come from memory.)
+// Lanes of bfloat16 widened to float32 exactly: zero-extend, shift into the high half. GCC 12
+// emits vpmovzxwd per 128 bits plus inserts for the vector conversion (intrinsics included), so
+// the AVX2 / AVX-512 clones zero-extend with one vpmovzxwd from memory (as int8 rows below).
 template <int kLanes>
 struct Bf16Bits {  // by lane count: a vector type with attributes cannot be a template argument
   typedef uint16_t U16 __attribute__((vector_size(2 * kLanes), aligned(2)));
@@ -42,9 +42,17 @@ struct Bf16Bits {  // by lane count: a vector type with attributes cannot be a t
 template <typename V>
 ORT_LORA_INLINE V Load(const uint16_t* p) {
   using Bits = Bf16Bits<sizeof(V) / sizeof(float)>;
-  typename Bits::U16 h;
-  __builtin_memcpy(&h, p, sizeof(h));
-  const auto w = __builtin_convertvector(h, typename Bits::U32) << 16;
+  typename Bits::U32 w;
+  if constexpr (sizeof(V) >= 32) {
+    // Only the AVX2 / AVX-512 clones have vectors this wide, so this never runs without them.
+    const auto* bytes = reinterpret_cast<const char (*)[sizeof(V) / 2]>(p);
+    asm("vpmovzxwd %1, %0" : "=v"(w) : "m"(*bytes));
+  } else {
+    typename Bits::U16 h;
+    __builtin_memcpy(&h, p, sizeof(h));
+    w = __builtin_convertvector(h, typename Bits::U32);
+  }
+  w <<= 16;
   V v;
   __builtin_memcpy(&v, &w, sizeof(V));
   return v;
@@ -53,7 +61,7 @@ ORT_LORA_INLINE V Load(const uint16_t* p) {
 // Lanes of int8 widened to float32 exactly (sign-extend, convert); the row's scale is applied
 // by the caller (folded into the shrink scale, lora_sgmv_plan.cc). GCC 12 turns a direct int8 ->
 // int32 vector conversion into scalar byte extracts: the AVX2 / AVX-512 clones sign-extend with
-// one vpmovsxbd, the baseline goes through int16 (punpck / pcmpgt).
+// one vpmovsxbd from memory, the baseline goes through int16 (punpck / pcmpgt).
 template <int kLanes>
 struct Int8Bits {  // by lane count, as Bf16Bits
   typedef int8_t I8 __attribute__((vector_size(kLanes)));
