@@ -124,6 +124,10 @@ def test_force_never_replaces_a_foreign_directory(tiny_llama_checkpoint, tmp_pat
         (
             {"device": "cuda", "dtype": "float16", "block_size": 16, "adapter_dtype": "bfloat16"},
             "use float16",
+        ),
+        (
+            {"device": "cuda", "dtype": "float16", "block_size": 16, "adapter_dtype": "int8"},
+            "adapter dtype 'int8' is not supported on device cuda",
         ),  # fmt: skip
         ({"device": "cuda", "dtype": "float16", "block_size": 24}, "power of two >= 16"),
         ({"extra": {"colour": "blue"}}, "unknown --extra key"),

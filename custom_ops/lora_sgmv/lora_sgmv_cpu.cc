@@ -45,8 +45,10 @@ ORT_LORA_INLINE V Load(const uint16_t* p) {
   typename Bits::U32 w;
   if constexpr (sizeof(V) >= 32) {
     // Only the AVX2 / AVX-512 clones have vectors this wide, so this never runs without them.
-    const auto* bytes = reinterpret_cast<const char (*)[sizeof(V) / 2]>(p);
-    asm("vpmovzxwd %1, %0" : "=v"(w) : "m"(*bytes));
+    // The row is read through a register operand, not a declared memory one: rows are inputs
+    // no kernel writes, and a memory operand makes GCC store every accumulator array to the
+    // stack before each load (it could alias them).
+    asm("vpmovzxwd (%1), %0" : "=v"(w) : "r"(p));
   } else {
     typename Bits::U16 h;
     __builtin_memcpy(&h, p, sizeof(h));
@@ -74,9 +76,8 @@ ORT_LORA_INLINE V Load(const int8_t* p) {
   using Bits = Int8Bits<sizeof(V) / sizeof(float)>;
   typename Bits::I32 wide;
   if constexpr (sizeof(V) >= 32) {
-    // Only the AVX2 / AVX-512 clones have vectors this wide, so this never runs without them.
-    const auto* bytes = reinterpret_cast<const char (*)[sizeof(V) / 4]>(p);
-    asm("vpmovsxbd %1, %0" : "=v"(wide) : "m"(*bytes));
+    // As for bfloat16 rows above: only in the AVX2 / AVX-512 clones, through a register operand.
+    asm("vpmovsxbd (%1), %0" : "=v"(wide) : "r"(p));
   } else {
     typename Bits::I8 q;
     __builtin_memcpy(&q, p, sizeof(q));
@@ -234,6 +235,12 @@ ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   if (s.dora != nullptr) WidenRow<V>(row(s.dora), out, bt + s.rank * plan.ldb);
 }
 
+// Asks for the cache lines of `bytes` bytes from p ahead of their use.
+ORT_LORA_INLINE void PrefetchBytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 template <typename V, typename R>
 ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
   const SgmvCpuItem& it = plan.shrink[index];
@@ -244,6 +251,11 @@ ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
   const float* x = p.x + it.row0 * k;
   const int64_t n = it.row1 - it.row0;
   for (int64_t t = 0; t < n; ++t) std::fill(v + t * r + it.lo, v + t * r + it.hi, 0.0f);
+  if (sizeof(R) == 1 && n < kWidenMinRows) {
+    // int8 decode rows are a few cache lines each, in scattered pages: ask for all of the
+    // item's rows up front, so that their misses overlap instead of one row after another.
+    for (int64_t j = it.lo; j < it.hi; ++j) PrefetchBytes(s.a_rows[j], k * sizeof(R));
+  }
   for (int64_t k0 = 0; k0 < k; k0 += kShrinkKBlock) {
     const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
     int64_t j = it.lo;
@@ -307,6 +319,10 @@ ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
   // sized to stay in L1, is reused by every row of the item.
   const int64_t panel_cols = kExpandPanelBytes / (sizeof(R) * s.rank);
   const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
+  if (sizeof(R) == 1 && n < kWidenMinRows) {  // as in the shrink: the item's B^T columns
+    for (int64_t j = 0; j < s.rank; ++j)
+      PrefetchBytes(static_cast<const R*>(s.bt_rows[j]) + it.lo, (it.hi - it.lo) * sizeof(R));
+  }
   for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
     const int64_t c1 = std::min(c0 + panel, it.hi);
     ExpandPanel<V, R>(v, n, s, c0, c1, y, y_out, ldy);
