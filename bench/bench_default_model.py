@@ -6,7 +6,8 @@ rows (issue 13)?
 
 Every variant is an export of the same SmolLM2-135M-Instruct GGUF (int4 carries its Q4_1 blocks
 over; ort_lora/server/default_model.py; "-int8rows": adapter rows int8 with a scale per row,
-export --adapter-dtype int8), served with the three demo adapters. Measured in one process,
+export --adapter-dtype int8; "int4zp": Q4_1's minimum rounded to an integer zero point, --extra
+gguf_q4_1=zero_point), served with the three demo adapters. Measured in one process,
 the exports alternating:
 
 - quality: held-out success of every demo task (ort_lora/demo/tasks.py, the whole "eval"
@@ -34,6 +35,12 @@ VARIANTS = {
     "float32": {},
     "int4": {"weights": "int4"},
     "int4-int8rows": {"weights": "int4", "adapter_dtype": "int8"},
+    # Q4_1's float minimum rounded to MatMulNBits' integer zero point (no offset branch)
+    "int4zp-int8rows": {
+        "weights": "int4",
+        "adapter_dtype": "int8",
+        "extra": {"gguf_q4_1": "zero_point"},
+    },
 }
 NEW_TOKENS_QUALITY = 24
 NEW_TOKENS_SPEED = 32

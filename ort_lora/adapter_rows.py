@@ -6,7 +6,7 @@ A row of n values at pool element o spans row_elems(n, row_type) pool elements:
                     (little-endian); an odd n leaves one padding bfloat16
   "int8"            element o is the row's float32 scale, then n int8 values q, four per
                     element from byte 4 (o + 1), the last element zero-padded; value k is
-                    scale * q[k], scale = max |row| / 127 and q = round(value / scale)
+                    scale * q[k], scale = max |row| / 127 and q = round(value * 127 / max |row|)
                     (symmetric per row: LoRA rows are centred on zero)
 encode_rows gives the pool elements' bit patterns (uint32), decode_rows the values the kernel
 reads back, served both in turn: the values an adapter is served with (what PEFT must be given
@@ -48,11 +48,16 @@ def encode_rows(rows: np.ndarray, row_type: str) -> np.ndarray:
         return _packed(bits, 2, np.uint16)
     if row_type != "int8":
         raise ValueError(f"encode_rows takes bfloat16 or int8 rows, got {row_type!r}")
-    scale, q = _int8(rows)
-    if not n:
-        return np.zeros((*rows.shape[:-1], 0), np.uint32)
-    values = _packed(q, 4, np.int8)
-    return np.concatenate([scale[..., None].view(np.uint32), values], axis=-1)
+    out = np.zeros((*rows.shape[:-1], row_elems(n, "int8")), np.uint32)
+    if n:
+        # max |row| without a |rows| temporary; abs: a zero row's scale is +0, not -0
+        peak = np.abs(np.maximum(rows.max(axis=-1), -rows.min(axis=-1)))
+        out[..., 0] = (peak / INT8_MAX).astype(np.float32).view(np.uint32)
+        inv = np.divide(INT8_MAX, peak, out=np.zeros_like(peak), where=peak > 0)
+        q = rows * inv[..., None]
+        np.rint(q, out=q)  # |q| <= 127: the peak maps to +-127
+        out.view(np.int8)[..., 4 : 4 + n] = q
+    return out
 
 
 def decode_rows(elems: np.ndarray, features: int, row_type: str) -> np.ndarray:
@@ -75,15 +80,6 @@ def served(values: np.ndarray, row_type: str | None) -> np.ndarray:
     if row_type in (None, "float32"):
         return np.asarray(values, np.float32)
     return decode_rows(encode_rows(values, row_type), np.shape(values)[-1], row_type)
-
-
-def _int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row symmetric int8: scale float32 [...], q int8 [..., n] with rows ~ scale * q."""
-    peak = np.abs(rows).max(axis=-1) if rows.shape[-1] else np.zeros(rows.shape[:-1], np.float32)
-    scale = (peak / INT8_MAX).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scale[..., None] > 0, rows / scale[..., None], 0.0)
-    return scale, np.clip(np.rint(q), -INT8_MAX, INT8_MAX).astype(np.int8)
 
 
 def _packed(values: np.ndarray, per_elem: int, dtype) -> np.ndarray:
