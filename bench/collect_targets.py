@@ -60,8 +60,12 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.5 * len(summary), 4), squeeze=False)
-    for ax, (what, variants) in zip(axes[0], summary.items()):
+    cols = min(3, len(summary))
+    rows = -(-len(summary) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(summary) :]:
+        ax.set_visible(False)
+    for ax, (what, variants) in zip(axes.flat, summary.items()):
         names = list(variants)
         for i, name in enumerate(names):
             v = variants[name]
@@ -72,7 +76,8 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(what, fontsize=8)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("ratio (wall; bar: median, dots: runs)")
+    for row in axes:
+        row[0].set_ylabel("ratio (wall; bar: median, dots: runs)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
