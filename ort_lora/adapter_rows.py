@@ -24,11 +24,6 @@ ROW_TYPES = {"float32": 1, "bfloat16": 16, "int8": 3}
 INT8_MAX = 127
 
 
-def check_row_type(row_type: str | None) -> None:
-    if row_type is not None and row_type not in ROW_TYPES:
-        raise ValueError(f"adapter row type must be one of {list(ROW_TYPES)}, got {row_type!r}")
-
-
 def row_elems(features: int, row_type: str | None) -> int:
     """Pool elements a row of `features` values spans."""
     if row_type == "bfloat16":
@@ -44,8 +39,10 @@ def encode_rows(rows: np.ndarray, row_type: str) -> np.ndarray:
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n = rows.shape[-1]
     if row_type == "bfloat16":
-        bits = float32_to_bfloat16_bits(rows)  # [..., n] uint16
-        return _packed(bits, 2, np.uint16)
+        bits = float32_to_bfloat16_bits(rows)  # [..., n] uint16, the first of a pair low
+        if n % 2:
+            bits = np.concatenate([bits, np.zeros((*bits.shape[:-1], 1), np.uint16)], axis=-1)
+        return np.ascontiguousarray(bits).view("<u4")
     if row_type != "int8":
         raise ValueError(f"encode_rows takes bfloat16 or int8 rows, got {row_type!r}")
     out = np.zeros((*rows.shape[:-1], row_elems(n, "int8")), np.uint32)
@@ -80,12 +77,3 @@ def served(values: np.ndarray, row_type: str | None) -> np.ndarray:
     if row_type in (None, "float32"):
         return np.asarray(values, np.float32)
     return decode_rows(encode_rows(values, row_type), np.shape(values)[-1], row_type)
-
-
-def _packed(values: np.ndarray, per_elem: int, dtype) -> np.ndarray:
-    """[..., n] values of a 4 / per_elem byte type -> uint32 [..., ceil(n / per_elem)], zero
-    padded, the first value in the low bytes."""
-    pad = -values.shape[-1] % per_elem
-    if pad:
-        values = np.concatenate([values, np.zeros((*values.shape[:-1], pad), dtype)], axis=-1)
-    return np.ascontiguousarray(values.astype(dtype)).view("<u4")
