@@ -442,8 +442,21 @@ void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
                        : problem.row_type == SgmvRowType::kInt8   ? kernels.i8
                                                                   : kernels.f32;
   RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for);
-  RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for);
-  RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for);
+  if (plan.fused.empty()) {
+    RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for);
+    RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for);
+    return;
+  }
+  auto group = [&plan, &fns](size_t i) {
+    const SgmvCpuGroup& g = plan.fused[i];
+    if (g.shrink >= 0) fns.shrink(plan, g.shrink);
+    for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
+  };
+  if (plan.shrink_cost + plan.expand_cost < kSerialCost) {
+    for (size_t i = 0; i < plan.fused.size(); ++i) group(i);
+  } else {
+    parallel_for(plan.fused.size(), group);
+  }
 }
 
 }  // namespace ort_lora

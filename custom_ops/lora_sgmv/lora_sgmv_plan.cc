@@ -146,6 +146,27 @@ void PlanExpand(SgmvCpuPlan& plan) {
   add_copy(p.num_rows);
 }
 
+// Groups of the fused pass (SgmvCpuGroup), when every segment has exactly one shrink item.
+void PlanFused(SgmvCpuPlan& plan) {
+  const int64_t segments = static_cast<int64_t>(plan.p->segments.size());
+  if (segments < kFuseMinSegments || static_cast<int64_t>(plan.shrink.size()) != segments) return;
+  std::vector<int64_t> shrink_of(segments, -1);
+  for (size_t i = 0; i < plan.shrink.size(); ++i) {
+    if (shrink_of[plan.shrink[i].seg] >= 0) return;  // two items of one segment
+    shrink_of[plan.shrink[i].seg] = static_cast<int64_t>(i);
+  }
+  // Expand items come in row order, a segment's items together; a group per segment (with
+  // its shrink item) and per copy item.
+  const int64_t n = static_cast<int64_t>(plan.expand.size());
+  for (int64_t e = 0; e < n;) {
+    const int64_t seg = plan.expand[e].seg;
+    int64_t end = e + 1;
+    while (seg >= 0 && end < n && plan.expand[end].seg == seg) ++end;
+    plan.fused.push_back({seg >= 0 ? shrink_of[seg] : -1, e, end});
+    e = end;
+  }
+}
+
 }  // namespace
 
 SgmvCpuPlan PlanSgmvCpu(const SgmvProblem& problem) {
@@ -161,6 +182,7 @@ SgmvCpuPlan PlanSgmvCpu(const SgmvProblem& problem) {
   PlanInt8(plan);
   PlanShrink(plan);
   PlanExpand(plan);
+  PlanFused(plan);
   return plan;
 }
 

@@ -4,7 +4,8 @@
 //
 // Passes, in order: widen (bfloat16 or int8 rows of long segments, and int8 rows of DoRA
 // segments -> float32 scratch, one item per segment), shrink (v = scales * x A^T), expand (y_out =
-// (y + v B^T) (1 + D), and copies of base rows).
+// (y + v B^T) (1 + D), and copies of base rows); in decode calls shrink and expand run as one
+// pass of per-segment groups (SgmvCpuGroup).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,14 @@ struct SgmvCpuItem {
   int64_t seg;
   int64_t row0, row1;
   int64_t lo, hi;  // shrink: A rows [lo, hi); expand: columns [lo, hi)
+};
+
+// Decode calls (every segment one shrink item) run shrink and expand as one pass of groups:
+// a segment's shrink item then its expand items, or a run of expand items copying base rows.
+// One thread-pool pass instead of two, and a segment's v is still in cache for its expand.
+struct SgmvCpuGroup {
+  int64_t shrink;                    // its shrink item, -1 = none (base rows)
+  int64_t expand_begin, expand_end;  // its expand items
 };
 
 struct SgmvCpuPlan {
@@ -42,8 +51,9 @@ struct SgmvCpuPlan {
   std::vector<float> int8_scales;
   std::vector<SgmvCpuItem> shrink;
   std::vector<SgmvCpuItem> expand;
-  int64_t widen_cost = 0;   // floats of wide_values
-  int64_t shrink_cost = 0;  // multiply-adds of each pass
+  std::vector<SgmvCpuGroup> fused;  // empty: run the shrink pass, then the expand pass
+  int64_t widen_cost = 0;           // floats of wide_values
+  int64_t shrink_cost = 0;          // multiply-adds of each pass
   int64_t expand_cost = 0;
 };
 
@@ -53,6 +63,9 @@ struct SgmvCpuPlan {
 // widened (the DoRA row's scale applies per element, which the direct tiles do not do).
 constexpr int64_t kWidenMinRows = 8;
 constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
+// Shrink and expand fuse into groups when each segment has one shrink item and there are at
+// least this many segments (enough groups to share between threads).
+constexpr int64_t kFuseMinSegments = 4;
 
 // The plan of one call; `problem` must outlive it.
 SgmvCpuPlan PlanSgmvCpu(const SgmvProblem& problem);
