@@ -129,7 +129,7 @@ def complete(url: str, request: dict) -> list[dict]:
 
 async def stream(client: httpx.AsyncClient, request: dict, started=None) -> tuple[str, dict]:
     """(text, error body or {}) of a streamed completion; `started` is set at the first
-    text."""
+    text, or the first token's logprobs (requests with logprobs get a chunk per token)."""
     text, error = "", {}
     async with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
@@ -141,7 +141,7 @@ async def stream(client: httpx.AsyncClient, request: dict, started=None) -> tupl
                 error = event["error"]
                 continue
             text += event["choices"][0]["text"]
-            if started is not None and text:
+            if started is not None and (text or event["choices"][0].get("logprobs")):
                 started.set()
     return text, error
 
@@ -305,8 +305,11 @@ class TestTwoReplicas:
         pid = replica_pids(served)[victim]
         elsewhere = {n for n, at in holders(served).items() if victim not in at}
         prompts = [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20]]
-        cases = [body(m, prompts[0], 240) for m in MODELS if m]
-        cases += [body(None, p, 240) for p in prompts] + [body("a0", prompts[1], 240)]
+        # logprobs: a chunk per token even while the text is held back (a random model's
+        # byte tokens can keep it empty), so "started" means a token was generated
+        cases = [body(m, prompts[0], 240, logprobs=1) for m in MODELS if m]
+        cases += [body(None, p, 240, logprobs=1) for p in prompts]
+        cases += [body("a0", prompts[1], 240, logprobs=1)]
 
         async def run():
             started = [asyncio.Event() for _ in cases]
