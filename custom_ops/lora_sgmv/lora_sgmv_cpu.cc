@@ -422,14 +422,14 @@ Kernels SelectKernels() {
 
 constexpr int64_t kSerialCost = 1 << 18;  // a pass this small runs on the calling thread
 
-// Runs every item of a pass: inline when it is too small to be worth waking the thread pool
-// (on a busy machine a woken thread can be descheduled mid-item and stall the whole call).
-void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost,
-             const ParallelFor& parallel_for) {
+// Runs item(i) for every item of a pass: inline when it is too small to be worth waking the
+// thread pool (on a busy machine a woken thread can be descheduled mid-item and stall the call).
+template <typename Item>
+void RunPass(size_t items, int64_t cost, const ParallelFor& parallel_for, const Item& item) {
   if (items <= 1 || cost < kSerialCost) {
-    for (size_t i = 0; i < items; ++i) fn(plan, i);
+    for (size_t i = 0; i < items; ++i) item(i);
   } else {
-    parallel_for(items, [&plan, fn](size_t i) { fn(plan, i); });
+    parallel_for(items, item);
   }
 }
 
@@ -438,25 +438,22 @@ void RunPass(SgmvCpuPlan& plan, ItemFn fn, size_t items, int64_t cost,
 void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
   SgmvCpuPlan plan = PlanSgmvCpu(problem);
-  const PassFns& fns = problem.row_type == SgmvRowType::kBFloat16 ? kernels.bf16
-                       : problem.row_type == SgmvRowType::kInt8   ? kernels.i8
-                                                                  : kernels.f32;
-  RunPass(plan, fns.widen, plan.widen.size(), plan.widen_cost, parallel_for);
+  const PassFns& fns = problem.row_type == SgmvRowLayout::kBFloat16Pairs ? kernels.bf16
+                       : problem.row_type == SgmvRowLayout::kInt8Scaled  ? kernels.i8
+                                                                         : kernels.f32;
+  auto pass = [&plan](ItemFn fn) { return [&plan, fn](size_t i) { fn(plan, i); }; };
+  RunPass(plan.widen.size(), plan.widen_cost, parallel_for, pass(fns.widen));
   if (plan.fused.empty()) {
-    RunPass(plan, fns.shrink, plan.shrink.size(), plan.shrink_cost, parallel_for);
-    RunPass(plan, fns.expand, plan.expand.size(), plan.expand_cost, parallel_for);
+    RunPass(plan.shrink.size(), plan.shrink_cost, parallel_for, pass(fns.shrink));
+    RunPass(plan.expand.size(), plan.expand_cost, parallel_for, pass(fns.expand));
     return;
   }
-  auto group = [&plan, &fns](size_t i) {
-    const SgmvCpuGroup& g = plan.fused[i];
-    if (g.shrink >= 0) fns.shrink(plan, g.shrink);
-    for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
-  };
-  if (plan.shrink_cost + plan.expand_cost < kSerialCost) {
-    for (size_t i = 0; i < plan.fused.size(); ++i) group(i);
-  } else {
-    parallel_for(plan.fused.size(), group);
-  }
+  RunPass(plan.fused.size(), plan.shrink_cost + plan.expand_cost, parallel_for,
+          [&plan, &fns](size_t i) {
+            const SgmvCpuGroup& g = plan.fused[i];
+            if (g.shrink >= 0) fns.shrink(plan, g.shrink);
+            for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
+          });
 }
 
 }  // namespace ort_lora

@@ -22,17 +22,16 @@
 #include <vector>
 
 #include "common/parallel_for.h"
+#include "lora_sgmv/lora_sgmv_checks.h"
 
 namespace ort_lora {
 
-// Element type of every adapter row (A and B^T) of one call.
-enum class SgmvRowType {
-  kFloat32,   // const float*: `len` floats
-  kBFloat16,  // const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
-  kInt8,      // const float*: the row's scale, then `len` int8 values q from the next byte
-              // (value = scale * q); the plan folds the scales of A and B^T rows into the
-              // shrink scale and widens the rows of long segments and of DoRA segments
-};
+// What a row pointer (A, B^T, D) points at, by the call's SgmvRowLayout:
+//   kPoolType       const float*: `len` floats (the CPU pool is float32)
+//   kBFloat16Pairs  const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
+//   kInt8Scaled     const float*: the row's scale, then `len` int8 values q from the next byte
+//                   (value = scale * q); the plan folds the scales of A and B^T rows into the
+//                   shrink scale and widens the rows of long segments and of DoRA segments
 
 // One segment that has adapters (rank > 0) and at least one row.
 struct SgmvSegment {
@@ -52,7 +51,7 @@ struct SgmvProblem {
   int64_t num_rows;
   int64_t in_features;
   int64_t out_features;
-  SgmvRowType row_type;               // of every segment's a_rows and bt_rows
+  SgmvRowLayout row_type;             // of every segment's a_rows and bt_rows
   std::vector<SgmvSegment> segments;  // active segments, disjoint row ranges, any order
 };
 

@@ -42,7 +42,8 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
-  switch (ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)) {
+  const int64_t dtype = ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  switch (dtype) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
       rows_ = SgmvRowLayout::kPoolType;
       break;
@@ -53,26 +54,11 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
       rows_ = SgmvRowLayout::kInt8Scaled;
       break;
     default:
-      Fail("attribute 'adapter_dtype' = ", ReadAdapterDtype(ki, 0),
+      Fail("attribute 'adapter_dtype' = ", dtype,
            " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows), 16 (BFLOAT16, "
            "bfloat16 rows in the float32 pool) or 3 (INT8, int8 rows with a float32 scale each)");
   }
 }
-
-namespace {
-
-SgmvRowType KernelRowType(SgmvRowLayout rows) {
-  switch (rows) {
-    case SgmvRowLayout::kBFloat16Pairs:
-      return SgmvRowType::kBFloat16;
-    case SgmvRowLayout::kInt8Scaled:
-      return SgmvRowType::kInt8;
-    default:
-      return SgmvRowType::kFloat32;
-  }
-}
-
-}  // namespace
 
 OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
   return GuardCompute("LoraSGMV", [&] { Compute(context); });
@@ -91,7 +77,7 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
                       meta.num_rows,
                       meta.in_features,
                       meta.out_features,
-                      KernelRowType(rows_),
+                      rows_,
                       {}};
   std::vector<const void*> rows;  // problem.segments point into rows and scales
   std::vector<float> scales;

@@ -38,14 +38,14 @@ void PlanWiden(SgmvCpuPlan& plan) {
   const SgmvProblem& p = *plan.p;
   plan.segs = p.segments;
   plan.wide_base.assign(p.segments.size(), -1);
-  if (p.row_type == SgmvRowType::kFloat32) return;
+  if (p.row_type == SgmvRowLayout::kPoolType) return;
   plan.lda = CeilDiv(p.in_features, 16) * 16;
   plan.ldb = CeilDiv(p.out_features, 16) * 16;
   int64_t rows = 0;
   for (size_t i = 0; i < p.segments.size(); ++i) {
     const SgmvSegment& s = p.segments[i];
     const int64_t values = s.rank * (plan.lda + plan.ldb) + (s.dora != nullptr) * plan.ldb;
-    const bool must = p.row_type == SgmvRowType::kInt8 && s.dora != nullptr;
+    const bool must = p.row_type == SgmvRowLayout::kInt8Scaled && s.dora != nullptr;
     if (!must &&
         (s.row_end - s.row_begin < kWidenMinRows || plan.widen_cost + values > kWidenMaxValues))
       continue;
@@ -82,7 +82,7 @@ float RowScale(const void* row) {
 // scales of A row j and B^T row j into the segment's shrink scale j.
 void PlanInt8(SgmvCpuPlan& plan) {
   const SgmvProblem& p = *plan.p;
-  if (p.row_type != SgmvRowType::kInt8) return;
+  if (p.row_type != SgmvRowLayout::kInt8Scaled) return;
   int64_t total = 0;
   for (size_t i = 0; i < p.segments.size(); ++i)
     if (plan.wide_base[i] < 0) total += p.segments[i].rank;
