@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
+import onnx
 import pytest
 from quant_cases import ATOL, assert_rows_match, export_quantized, reference
 
@@ -62,6 +64,37 @@ def test_blocks_are_what_matmulnbits_computes(tmp_path, rng, bits, block, symmet
     int8_x = quantize_activations(x, block)
     assert 0 < np.abs(int8_x - x).max() <= np.abs(x).max() / 254 * 1.0001
     np.testing.assert_allclose(_run_node(tmp_path, q, x, 4), int8_x @ q.dequantize().T, atol=ATOL)
+
+
+def test_stacked_weights_compute_each_part(tmp_path, rng):
+    """q/k/v-style parts stacked into one MatMulNBits and split: each output is its part's own
+    product, whether the part has zero points, per-block offsets or neither."""
+    import onnxruntime as ort
+
+    w = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 16)]
+    parts = [
+        quantize_rtn(w[0], 4, 32, symmetric=False),  # zero points
+        replace(quantize_rtn(w[1], 4, 32, symmetric=True), offsets=rng.random((8, 2), np.float32)),
+        quantize_rtn(w[2], 4, 32, symmetric=True),  # neither
+    ]
+    stacked = BlockQuantized.stack(parts)
+    assert stacked.zeros is not None and stacked.offsets is not None
+    writer = ExternalDataWriter(tmp_path / "m.onnx.data")
+    g = GraphBuilder(writer, "stacked")
+    g.input("x", "float32", ["T", 64])
+    names = [f"model.layers.0.attn.{m}.weight" for m in ("q", "k", "v")]
+    ys = QuantGraph(g, 0).stacked_matmul("x", stacked, names, [24, 8, 16], "/qkv")
+    for y in ys:
+        g.output(y, "float32", None)
+    writer.close()
+    (tmp_path / "m.onnx").write_bytes(g.model({"": 17, "com.microsoft": 1}).SerializeToString())
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x})
+    for y, part in zip(got, parts):
+        np.testing.assert_allclose(y, x @ part.dequantize().T, atol=ATOL)
+    assert BlockQuantized.stack([parts[0], quantize_rtn(w[1], 8, 32, symmetric=True)]) is None
+    assert BlockQuantized.stack([parts[0], quantize_rtn(w[1], 4, 16, symmetric=True)]) is None
 
 
 def test_offsets_and_the_quantized_gather(tmp_path, rng):
@@ -127,6 +160,8 @@ def test_tiny_llama_prefill_and_paged_decode(
     manifest = json.loads((out / "ort_lora_manifest.json").read_text())["quantization"]
     assert manifest["weights"] == weights and manifest["accuracy_level"] == level
     assert manifest["tensors_by_method"] == {"rtn": 16}  # 14 linear, embedding, head
+    ops = Counter(n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node)
+    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 * 2  # q/k/v, gate/up stacked
     ref = reference(tiny_llama_checkpoint, out)
     runner = ModelRunner(ModelSession(out, num_pages=24))
     ours, want = [], []

@@ -14,6 +14,9 @@ external data file) and finds, for each LoraSGMV node, the node producing its in
   Add(MatMulNBits(...), MatMul(block sums of x, offsets^T))
                                         the same plus each block's float offset (GGUF Q4_1
                                         mapped exactly, export/quant_graph.py)
+  Split(one of the above, sizes)        weights stacked by rows (q/k/v, gate/up of a
+                                        quantized export): output i is rows
+                                        [sum(sizes[:i]), sum(sizes[:i + 1])) of the stack
 Anything else (a bias added before LoraSGMV, other quantized forms) cannot be read back: rows()
 raises an AdapterError that names the module, the layer and the producer. Only the rows asked
 for are read (memory-mapped pages), so a module's weight is never materialized whole.
@@ -35,7 +38,7 @@ from ort_lora.contract import MODEL_NAME, OPS_DOMAIN
 
 MSFT = "com.microsoft"
 # ONNX TensorProto element type -> numpy dtype of the stored bytes (bfloat16: uint16 bits)
-_STORED = {1: np.float32, 10: np.float16, 16: np.uint16, 2: np.uint8}
+_STORED = {1: np.float32, 10: np.float16, 16: np.uint16, 2: np.uint8, 7: np.int64}
 _A_OFFSETS = re.compile(r"lora_(?P<module>\w+)_a_offsets")
 
 
@@ -101,6 +104,17 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(packed.shape[0], -1)
 
 
+@dataclass
+class _Rows:
+    """Rows [start, ...) of another source's weight: one part of weights stacked by rows."""
+
+    source: _Dense | _NBits
+    start: int
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        return self.source.rows(self.start + start, self.start + stop)
+
+
 class ExportedWeights:
     """BaseWeights of an exported model directory (see the module docstring). The graph is
     indexed on first use (thread-safe); rows() may be called from any thread."""
@@ -108,7 +122,7 @@ class ExportedWeights:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self._lock = threading.Lock()
-        self._sources: dict[tuple[int, str], _Dense | _NBits | str] | None = None
+        self._sources: dict[tuple[int, str], _Dense | _NBits | _Rows | str] | None = None
 
     def rows(self, layer: int, module: str, start: int, stop: int) -> np.ndarray:
         source = self._index().get((layer, module))
@@ -146,7 +160,7 @@ class _GraphIndex:
         self.producer = {out: node for node in self.nodes for out in node.output}
         self.inits = {t.name: t for t in graph.initializer}
 
-    def sources(self) -> dict[tuple[int, str], _Dense | _NBits | str]:
+    def sources(self) -> dict[tuple[int, str], _Dense | _NBits | _Rows | str]:
         out = {}
         for node in self.nodes:
             if node.op_type != "LoraSGMV" or node.domain != OPS_DOMAIN or len(node.input) < 7:
@@ -157,7 +171,7 @@ class _GraphIndex:
                 out[layer, match["module"]] = self._source(node.input[0])
         return out
 
-    def _source(self, y: str) -> _Dense | _NBits | str:
+    def _source(self, y: str) -> _Dense | _NBits | _Rows | str:
         """How the weight behind base projection y is read, or why it cannot be."""
         node = self.producer.get(y)
         if node is None:
@@ -168,6 +182,8 @@ class _GraphIndex:
             return self._nbits(node)
         if node.op_type == "Add" and node.domain in ("", "ai.onnx"):
             return self._with_offsets(node)
+        if node.op_type == "Split" and node.domain in ("", "ai.onnx"):
+            return self._split_part(node, y)
         return f"it is produced by a {node.domain or 'ai.onnx'}.{node.op_type} node ({node.name})"
 
     def _dense(self, node) -> _Dense | str:
@@ -205,6 +221,18 @@ class _GraphIndex:
             return weights if isinstance(weights, str) else f"Add {node.name}: no offsets"
         weights.offsets_t = self._array(offsets)  # [k_blocks, N]
         return weights
+
+    def _split_part(self, node, y: str) -> _Rows | str:
+        """Output y of Split(stacked projection, sizes) along the rows of the stack's weight."""
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        sizes = self.inits.get(node.input[1]) if len(node.input) > 1 else None
+        if axis not in (1, -1) or sizes is None:
+            return f"Split {node.name} does not split the output's last axis by given sizes"
+        stacked = self._source(node.input[0])
+        if isinstance(stacked, str):
+            return stacked
+        start = int(np.sum(self._array(sizes)[: list(node.output).index(y)]))
+        return _Rows(stacked, start)
 
     def _array(self, t) -> np.ndarray:
         """The initializer as stored: memory-mapped when it lives in external data."""

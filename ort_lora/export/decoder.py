@@ -131,20 +131,44 @@ class DecoderBuilder:
     # ---- building blocks --------------------------------------------------------------------
     def linear(self, layer: int, x: str, prefix: str, module: str) -> str:
         """y = x @ W^T (+ b), then the LoRA delta if `module` is a target.  x: [T, in]."""
-        sizes = self.cfg.module_sizes()[module]
-        hf = f"model.layers.{layer}.{prefix}.{module}"
         name = f"/model/layers.{layer}/{prefix}/{module}"
         if self.quantizer is None:
             w = self.projection_weight(layer, prefix, module)  # [in, out]
             (y,) = self.g.node("MatMul", [x, w], f"{name}/MatMul")  # [T, out]
         else:
             q = self.projection_quantized(layer, prefix, module)  # [out, in] blocks
-            y = self.qgraph.matmul(x, q, f"{hf}.weight", name)  # [T, out]
+            y = self.qgraph.matmul(x, q, self.module_weight(layer, prefix, module), name)
+        return self.delta_and_bias(layer, x, y, prefix, module)  # [T, out]
+
+    def linears(self, layer: int, x: str, prefix: str, modules: tuple[str, ...]) -> list[str]:
+        """linear() of each of `modules`, which read the same x. A quantized export multiplies
+        by their weights stacked as one (quant_graph.py), unless their blocks differ."""
+        if self.quantizer is None:
+            return [self.linear(layer, x, prefix, m) for m in modules]
+        parts = [self.projection_quantized(layer, prefix, m) for m in modules]
+        stacked = BlockQuantized.stack(parts)
+        if stacked is None:
+            return [self.linear(layer, x, prefix, m) for m in modules]
+        weights = [self.module_weight(layer, prefix, m) for m in modules]
+        rows = [p.shape[0] for p in parts]
+        name = f"/model/layers.{layer}/{prefix}/{'+'.join(modules)}"
+        ys = self.qgraph.stacked_matmul(x, stacked, weights, rows, name)  # [T, out] each
+        return [self.delta_and_bias(layer, x, y, prefix, m) for y, m in zip(ys, modules)]
+
+    @staticmethod
+    def module_weight(layer: int, prefix: str, module: str) -> str:
+        """The checkpoint name of a linear module's weight (fused modules: of its part)."""
+        return f"model.layers.{layer}.{prefix}.{module}.weight"
+
+    def delta_and_bias(self, layer: int, x: str, y: str, prefix: str, module: str) -> str:
+        """y = x @ W^T plus the LoRA delta if `module` is a target, then its bias."""
+        hf = f"model.layers.{layer}.{prefix}.{module}"
         if module in self.targets:
-            y = self.lora(layer, x, y, module, name)  # [T, out]
+            y = self.lora(layer, x, y, module, f"/model/layers.{layer}/{prefix}/{module}")
         if self.src.has(f"{hf}.bias"):  # after LoraSGMV: DoRA scales W x + delta, not the bias
+            sizes = self.cfg.module_sizes()[module]
             b = self.weight(f"{hf}.bias", (sizes["out"],))
-            (y,) = self.g.node("Add", [y, b], f"{name}/Add")
+            (y,) = self.g.node("Add", [y, b], f"/model/layers.{layer}/{prefix}/{module}/Add")
         return y  # [T, out]
 
     def lora(self, layer: int, x: str, y: str, module: str, name: str) -> str:
@@ -218,13 +242,13 @@ class DecoderBuilder:
     def projection_weight(self, layer: int, prefix: str, module: str) -> str:
         """The initializer [in, out] of a linear module's weight (checkpoint: [out, in])."""
         sizes = self.cfg.module_sizes()[module]
-        name = f"model.layers.{layer}.{prefix}.{module}.weight"
+        name = self.module_weight(layer, prefix, module)
         return self.weight(name, (sizes["out"], sizes["in"]), transpose=True)
 
     def projection_quantized(self, layer: int, prefix: str, module: str) -> BlockQuantized:
         """A linear module's weight [out, in] as blocks (quantized exports)."""
         sizes = self.cfg.module_sizes()[module]
-        name = f"model.layers.{layer}.{prefix}.{module}.weight"
+        name = self.module_weight(layer, prefix, module)
         return self.quantizer.linear(name, (sizes["out"], sizes["in"]))
 
     def norm_weight(self, name: str, size: int) -> str:
@@ -255,9 +279,8 @@ class DecoderBuilder:
     # ---- layers -----------------------------------------------------------------------------
     def attention(self, layer: int, h: str, cos: str, sin: str) -> str:
         cfg = self.cfg
-        q = self.linear(layer, h, "self_attn", "q_proj")  # [T, heads * head_dim]
-        k = self.linear(layer, h, "self_attn", "k_proj")  # [T, kv_heads * head_dim]
-        v = self.linear(layer, h, "self_attn", "v_proj")  # [T, kv_heads * head_dim]
+        # q [T, heads * head_dim], k and v [T, kv_heads * head_dim]
+        q, k, v = self.linears(layer, h, "self_attn", ("q_proj", "k_proj", "v_proj"))
         q, k = self.qk_norm(layer, q, k)
         inputs = [
             q,
@@ -295,8 +318,7 @@ class DecoderBuilder:
 
     def mlp(self, layer: int, h: str) -> str:
         name = f"/model/layers.{layer}/mlp"
-        gate = self.linear(layer, h, "mlp", "gate_proj")  # [T, inter]
-        up = self.linear(layer, h, "mlp", "up_proj")  # [T, inter]
+        gate, up = self.linears(layer, h, "mlp", ("gate_proj", "up_proj"))  # [T, inter] each
         (prod,) = self.g.node("Mul", [self.activation(gate, f"{name}/act"), up], f"{name}/Mul")
         return self.linear(layer, prod, "mlp", "down_proj")  # [T, hidden]
 

@@ -65,6 +65,36 @@ class BlockQuantized:
             offsets=pick(self.offsets),
         )
 
+    @staticmethod
+    def stack(parts: list[BlockQuantized]) -> BlockQuantized | None:
+        """The weights `parts` (same K) as one, their rows in order; None when their bits or
+        block sizes differ. A part without zero points gets the default 2 ** (bits - 1), one
+        without offsets zeros, so each row computes exactly what it did alone."""
+        first = parts[0]
+        kind = (first.bits, first.block_size, first.shape[1])
+        if any((p.bits, p.block_size, p.shape[1]) != kind for p in parts):
+            return None
+
+        def joined(field: str, fill, dtype) -> np.ndarray | None:
+            arrays = [getattr(p, field) for p in parts]
+            if all(a is None for a in arrays):
+                return None
+            filled = [
+                np.full(p.scales.shape, fill, dtype) if a is None else a
+                for p, a in zip(parts, arrays)
+            ]
+            return np.concatenate(filled)
+
+        return BlockQuantized(
+            bits=first.bits,
+            block_size=first.block_size,
+            codes=np.concatenate([p.codes for p in parts]),
+            scales=np.concatenate([p.scales for p in parts]),
+            zeros=joined("zeros", 2 ** (first.bits - 1), np.uint8),
+            offsets=joined("offsets", 0.0, np.float32),
+            method=" + ".join(dict.fromkeys(p.method for p in parts)),
+        )
+
     def dequantize(self) -> np.ndarray:
         """W as float32 [N, K]: the numbers the quantized graph multiplies by."""
         n, k = self.shape

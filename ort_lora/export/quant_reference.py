@@ -1,7 +1,8 @@
 """The transformers reference of a quantized export: the same model on the numbers the export
 holds, read back from its model.onnx, so --verify and the tests compare like with like.
 
-- weights: every MatMulNBits / GatherBlockQuantized weight of the graph, dequantized
+- weights: every MatMulNBits / GatherBlockQuantized weight of the graph (stacked ones split
+  back into their parts), dequantized
   (quant.py's BlockQuantized.dequantize, checked against ORT's own kernel in the tests), is
   loaded into the transformers model in place of the checkpoint's tensor (fused modules: the
   parts concatenated back).
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.export.quant import BlockQuantized, quantize_activations
-from ort_lora.export.quant_graph import QUANT
+from ort_lora.export.quant_graph import QUANT, stacked_parts
 
 
 def exported_weights(model_dir) -> dict[str, BlockQuantized]:
@@ -46,7 +47,7 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
         scales = array(f"{weight}{QUANT}scales")
         zeros = array(f"{weight}{QUANT}zero_points")
         offsets_t = array(f"{weight}{QUANT}offsets_T")
-        out[weight] = BlockQuantized(
+        blocks = BlockQuantized(
             bits=attrs["bits"],
             block_size=attrs["block_size"],
             codes=array(data).reshape(*scales.shape, -1),  # the gather's [V, H * bits / 8] too
@@ -55,6 +56,13 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
             offsets=None if offsets_t is None else np.ascontiguousarray(offsets_t.T),
             method="exported",
         )
+        parts = stacked_parts(weight)
+        if len(parts) == 1:
+            out[weight] = blocks
+            continue
+        starts = np.cumsum([0, *array(f"{weight}{QUANT}rows")])  # a stacked weight's parts
+        for part, start, stop in zip(parts, starts, starts[1:]):
+            out[part] = blocks.rows(slice(start, stop))
     return out
 
 
