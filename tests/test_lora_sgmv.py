@@ -240,32 +240,6 @@ def test_layer_attribute_selects_ranks_and_scales(dtype, rng):
 
 
 @each_dtype
-def test_y_produced_by_another_node(dtype, rng):
-    """y = 2 * y_in: y is an intermediate tensor of the graph, as in an exported model."""
-    names = [n for n, _, _ in INPUTS]
-    vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in INPUTS]
-    vis[0] = helper.make_tensor_value_info("y_in", TensorProto.FLOAT, ["T", "out"])
-    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
-    nodes = [
-        helper.make_node("Mul", ["y_in", "two"], ["y"]),
-        helper.make_node(
-            "LoraSGMV", names, ["y_out"], domain=ort_lora.OPS_DOMAIN, layer=0, **ATTRS[dtype]
-        ),
-    ]
-    out = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
-    graph = helper.make_graph(nodes, "y_from_node", vis, [out], initializer=[two])
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    sess = ort.InferenceSession(
-        model.SerializeToString(), ort_lora.session_options(intra_op_num_threads=2)
-    )
-    feeds = make_case(rng, dtype, [6, 5, 300, 2], [0, -1, 1, 0], [8, 16])
-    y_in = feeds.pop("y")
-    got = sess.run(None, {"y_in": y_in, **feeds})[0]
-    assert_close(got, lora_sgmv(2 * y_in, **feeds, layer=0, adapter_dtype=dtype), dtype)
-
-
-@each_dtype
 def test_unused_slot_offsets_are_not_read(dtype, rng):
     feeds = make_case(rng, dtype, [4, 3], [0, -1], [4, 4])
     feeds["a_offsets"][1] = -7  # slot 1 is used by no segment
@@ -357,6 +331,46 @@ def test_dora_and_composed_segments(dtype, rank, mix, rng):
     ranks = [rank, max(1, rank // 2), 3, rank]
     feeds = make_case(rng, dtype, seg_lens, seg_slots, ranks, 96, 160, comp=comp, dora_slots=dora)
     check(feeds, dtype)
+
+
+Y_FROM_NODE_CASES = {
+    "prefill": ([6, 5, 300, 2], [0, -1, 1, 0], None, ()),
+    "decode": ([1] * 12, [0, 1, 2, 3, -1, 0, 1, 2, 3, 1, 1, 0], None, ()),
+} | MIXES
+
+
+@pytest.mark.parametrize("case", list(Y_FROM_NODE_CASES))
+@each_dtype
+def test_y_produced_by_another_node(dtype, case, rng):
+    """y = 2 * y_in and the output doubled again: y and y_out are intermediate tensors, as in
+    an exported model, so ORT runs the op in place (MayInplace; the op infers y_out's shape
+    from y's): every kind of row (without an adapter, prefill and decode segments, composed,
+    DoRA) reads y before it writes y_out over it."""
+    seg_lens, seg_slots, comp, dora = Y_FROM_NODE_CASES[case]
+    feeds = make_case(rng, dtype, seg_lens, seg_slots, [8, 16, 3, 8], comp=comp, dora_slots=dora)
+    used = INPUTS + (OPTIONAL_INPUTS if "dora_offsets" in feeds else [])
+    names = [n for n, _, _ in used]
+    vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in used]
+    vis[0] = helper.make_tensor_value_info("y_in", TensorProto.FLOAT, ["T", "out"])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    nodes = [
+        helper.make_node("Mul", ["y_in", "two"], ["y"]),
+        helper.make_node(
+            "LoraSGMV", names, ["y_mid"], domain=ort_lora.OPS_DOMAIN, layer=0, **ATTRS[dtype]
+        ),
+        helper.make_node("Mul", ["y_mid", "two"], ["y_out"]),
+    ]
+    out = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
+    graph = helper.make_graph(nodes, "y_from_node", vis, [out], initializer=[two])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    sess = ort.InferenceSession(
+        model.SerializeToString(), ort_lora.session_options(intra_op_num_threads=2)
+    )
+    y_in = feeds.pop("y")
+    got = sess.run(None, {"y_in": y_in, **feeds})[0]
+    want = lora_sgmv(2 * y_in, **feeds, layer=0, adapter_dtype=dtype)
+    assert_close(got / 2, want, dtype)
 
 
 @each_dtype

@@ -10,6 +10,7 @@
 #include <onnxruntime_cxx_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,6 +42,76 @@ OrtStatusPtr GuardCompute(const char* op_name, Body&& body) {
     return Ort::Status((std::string(op_name) + ": " + e.what()).c_str(), ORT_INVALID_ARGUMENT)
         .release();
   }
+}
+
+// Shape inference helpers. ORT's planner lets an output take over an input's buffer
+// (MayInplace) only when both shapes are known and equal (dims of the same value or name), and
+// a custom op's outputs have no shape unless its InferOutputShapeFn gives one.
+using InferredShape = Ort::ShapeInferContext::Shape;
+
+// True when every dim is known: a value >= 0 or a name.
+inline bool FullyKnown(const InferredShape& shape) {
+  for (const auto& dim : shape)
+    if (dim.IsInt() && dim.AsInt() < 0) return false;
+  return !shape.empty();
+}
+
+// Gives output `index` `shape` (FullyKnown) and `type`, through the C API:
+// Ort::ShapeInferContext::SetOutputShape marks named dims -2, which ORT refuses.
+inline void SetInferredShape(OrtShapeInferContext* ctx, size_t index, const InferredShape& shape,
+                             ONNXTensorElementDataType type) {
+  const OrtApi& api = Ort::GetApi();
+  std::vector<int64_t> dims;
+  std::vector<const char*> names;
+  for (const auto& dim : shape) {
+    dims.push_back(dim.IsInt() ? dim.AsInt() : -1);
+    names.push_back(dim.IsInt() ? "" : dim.AsSym());
+  }
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  Ort::ThrowOnError(api.CreateTensorTypeAndShapeInfo(&info));
+  std::unique_ptr<OrtTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo*)> owned(
+      info, [](OrtTensorTypeAndShapeInfo* p) { Ort::GetApi().ReleaseTensorTypeAndShapeInfo(p); });
+  Ort::ThrowOnError(api.SetTensorElementType(info, type));
+  Ort::ThrowOnError(api.SetDimensions(info, dims.data(), dims.size()));
+  Ort::ThrowOnError(api.SetSymbolicDimensions(info, names.data(), names.size()));
+  Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(ctx, index, info));
+}
+
+// Declares that op's output 0 has the type and shape of its input `kInput` (inferred when ORT
+// knows each of that input's dims; otherwise the output stays unknown, never an error: the
+// kernel's own checks report bad inputs at run time).
+template <int kInput>
+void OutputLikeInput(OrtCustomOp& op) {
+  op.InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* c) -> OrtStatusPtr {
+    try {
+      Ort::ShapeInferContext ctx(&Ort::GetApi(), c);
+      if (ctx.GetInputCount() <= kInput || !FullyKnown(ctx.GetInputShape(kInput))) return nullptr;
+      OrtTensorTypeAndShapeInfo* input = nullptr;  // owned by ctx
+      Ort::ThrowOnError(Ort::GetApi().ShapeInferContext_GetInputTypeShape(c, kInput, &input));
+      ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      Ort::ThrowOnError(Ort::GetApi().GetTensorElementType(input, &type));
+      SetInferredShape(c, 0, ctx.GetInputShape(kInput), type);
+    } catch (const std::exception&) {
+    }
+    return nullptr;
+  };
+}
+
+// Declares that op's output 0 may reuse the buffer of its input `kInput`, which it is like
+// (ORT decides: when nothing else reads that input and its shape is known, it skips allocating
+// the output, and the kernel, which must tolerate the alias, updates the input in place).
+template <int kInput>
+void MayWriteOutputOverInput(OrtCustomOp& op) {
+  op.GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+    *input_index = new int[1]{kInput};
+    *output_index = new int[1]{0};
+    return 1;
+  };
+  op.ReleaseMayInplace = [](int* input_index, int* output_index) {
+    delete[] input_index;
+    delete[] output_index;
+  };
+  OutputLikeInput<kInput>(op);
 }
 
 // A read-only view of one input with its shape, checked for rank and element type.

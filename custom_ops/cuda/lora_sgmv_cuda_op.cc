@@ -54,15 +54,7 @@ void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
 
 LoraSgmvCudaOp::LoraSgmvCudaOp(SgmvDtype dtype) : dtype_(dtype) {
   // y_out may reuse y's buffer (the MatMul output, read by nothing else); ORT decides.
-  OrtCustomOp::GetMayInplace = [](int** input_index, int** output_index) -> size_t {
-    *input_index = new int[1]{kY};
-    *output_index = new int[1]{0};
-    return 1;
-  };
-  OrtCustomOp::ReleaseMayInplace = [](int* input_index, int* output_index) {
-    delete[] input_index;
-    delete[] output_index;
-  };
+  MayWriteOutputOverInput<kY>(*this);
 }
 
 OrtStatusPtr LoraSgmvCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info,

@@ -59,6 +59,7 @@
 
 #include "common/ort_common.h"
 #include "lora_sgmv/lora_sgmv_checks.h"
+#include "lora_sgmv/lora_sgmv_inputs.h"
 
 namespace ort_lora {
 
@@ -73,6 +74,9 @@ struct LoraSgmvKernel {
 };
 
 struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {
+  // y_out may reuse y's buffer (the projection's output, read by nothing else): then rows
+  // without an adapter cost nothing (no y -> y_out copy), and the others are updated in place.
+  LoraSgmvOp() { MayWriteOutputOverInput<kY>(*this); }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

@@ -47,6 +47,8 @@ struct PagedAttentionKernel {
 };
 
 struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel, true> {
+  // output is like query: known shapes downstream let ORT run LoraSGMV in place
+  PagedAttentionOp() { OutputLikeInput<0>(*this); }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "PagedAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

@@ -215,7 +215,7 @@ def genai_base(hf: Path, cache: Path, precision: str = "fp32") -> Path:
 def ort_lora_int4(
     source: ModelSource, hf: Path, cache: Path, block_size: int, adapter_dtype: str = "float32"
 ) -> Path:
-    """ort-lora's int4 export (all seven LoRA targets; adapter rows float32 or bfloat16):
+    """ort-lora's int4 export (all seven LoRA targets; adapter rows float32, bfloat16 or int8):
     SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
     model), other models from the HF checkpoint (round-to-nearest)."""
     suffix = "" if adapter_dtype == "float32" else f"_{adapter_dtype}"
