@@ -20,7 +20,10 @@
 //   error: DoRA adapters cannot be composed.
 //
 // Inputs                                           Output
-//   0 y            float [T, out]                     0 y_out float [T, out]
+//   0 y            float [T, out]                     0 y_out float [T, out], may be y's
+//                                                       buffer (ORT decides: in place when
+//                                                       only this node reads y; y_out's
+//                                                       shape is inferred as y's)
 //   1 x            float [T, in]
 //   2 key_cache    float [num_pages, block_size, kv_heads, head_dim]
 //   3 value_cache  float [num_pages, block_size, kv_heads, head_dim]
