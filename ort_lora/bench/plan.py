@@ -86,10 +86,12 @@ SYSTEM_ROWS = (
     ("transformers", "transformers base", "base"),
     ("genai", "onnxruntime-genai base", "base"),
     ("genai-multilora", "onnxruntime-genai multi-LoRA (grouped)", "uniform"),
+    ("optimum", "Optimum base", "base"),
+    ("optimum", "Optimum merged per adapter (grouped)", "uniform"),
 )
 GENAI_SYSTEMS = ("genai", "genai-multilora")
 # systems that run from a venv of their own (peers.py): system -> peer
-PEER_SYSTEMS = {"vllm": "vllm", "vllm-http": "vllm"}
+PEER_SYSTEMS = {"vllm": "vllm", "vllm-http": "vllm", "optimum": "optimum"}
 EXPERIMENTS = (
     "systems",
     "popularity",

@@ -13,5 +13,6 @@ RUNNERS = {
     "genai-multilora": "ort_lora.bench.systems.genai",
     "vllm": "ort_lora.bench.systems.vllm_peer",
     "vllm-http": "ort_lora.bench.systems.vllm_peer",
+    "optimum": "ort_lora.bench.systems.optimum_peer",
     "ort-lora-ray": "ort_lora.bench.systems.ray_cluster",
 }
