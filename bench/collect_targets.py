@@ -72,7 +72,8 @@ def plot(summary: dict, path: Path) -> None:
             ax.bar(i, v["median_wall"], color="#9ecae1", width=0.6)
             ax.plot([i] * len(v["wall"]), v["wall"], "o", color="#08519c", markersize=4)
         goal = next(iter(variants.values()))["goal"]
-        ax.axhline(goal, color="#d62728", linestyle="--", linewidth=1, label=f"goal {goal}")
+        if goal is not None:
+            ax.axhline(goal, color="#d62728", linestyle="--", linewidth=1, label=f"goal {goal}")
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(what, fontsize=8)
         ax.legend(fontsize=7)

@@ -11,7 +11,7 @@ import httpx
 
 from ort_lora.bench import peers
 from ort_lora.bench.adapter_proxy import AdapterProxy
-from ort_lora.bench.report import targets
+from ort_lora.bench.report import targets, targets_table
 
 
 def test_peer_venv_is_looked_up_not_installed(tmp_path):
@@ -70,4 +70,17 @@ def test_vllm_targets_only_when_vllm_ran():
     ]
     got = {what: (wall, cpu) for what, wall, cpu, _ in targets(results, ["decode-heavy"])}
     assert got["decode-heavy: ort-lora mixed / vLLM mixed"] == (5.0, 5.0)
-    assert not any("vLLM HTTP" in what for what in got)
+    assert not any("vLLM HTTP" in what or "Optimum" in what for what in got)
+
+
+def test_optimum_is_compared_without_a_goal():
+    row = dict(output_tok_s=8.0, output_tok_per_cpu_s=4.0, experiment="systems/decode-heavy")
+    results = [
+        {**row, "label": "ort-lora mixed", "extra": {}},
+        {**row, "label": "Optimum merged per adapter (grouped)", "output_tok_s": 1.0, "extra": {}},
+    ]
+    rows = [t for t in targets(results, ["decode-heavy"]) if "Optimum" in t[0]]
+    assert rows == [
+        ("decode-heavy: ort-lora mixed / Optimum merged per adapter (grouped)", 8.0, 1.0, None)
+    ]
+    assert "| 8.00 | 1.00 | - | - |" in targets_table(rows)
