@@ -131,13 +131,10 @@ class DecoderBuilder:
     # ---- building blocks --------------------------------------------------------------------
     def linear(self, layer: int, x: str, prefix: str, module: str) -> str:
         """y = x @ W^T (+ b), then the LoRA delta if `module` is a target.  x: [T, in]."""
-        name = f"/model/layers.{layer}/{prefix}/{module}"
-        if self.quantizer is None:
-            w = self.projection_weight(layer, prefix, module)  # [in, out]
-            (y,) = self.g.node("MatMul", [x, w], f"{name}/MatMul")  # [T, out]
-        else:
-            q = self.projection_quantized(layer, prefix, module)  # [out, in] blocks
-            y = self.qgraph.matmul(x, q, self.module_weight(layer, prefix, module), name)
+        if self.quantizer is not None:
+            return self.linears(layer, x, prefix, (module,))[0]
+        w = self.projection_weight(layer, prefix, module)  # [in, out]
+        (y,) = self.g.node("MatMul", [x, w], f"{self.module_name(layer, prefix, module)}/MatMul")
         return self.delta_and_bias(layer, x, y, prefix, module)  # [T, out]
 
     def linears(self, layer: int, x: str, prefix: str, modules: tuple[str, ...]) -> list[str]:
@@ -145,14 +142,16 @@ class DecoderBuilder:
         by their weights stacked as one (quant_graph.py), unless their blocks differ."""
         if self.quantizer is None:
             return [self.linear(layer, x, prefix, m) for m in modules]
-        parts = [self.projection_quantized(layer, prefix, m) for m in modules]
-        stacked = BlockQuantized.stack(parts)
-        if stacked is None:
-            return [self.linear(layer, x, prefix, m) for m in modules]
+        parts = [self.projection_quantized(layer, prefix, m) for m in modules]  # [out, in] blocks
         weights = [self.module_weight(layer, prefix, m) for m in modules]
-        rows = [p.shape[0] for p in parts]
-        name = f"/model/layers.{layer}/{prefix}/{'+'.join(modules)}"
-        ys = self.qgraph.stacked_matmul(x, stacked, weights, rows, name)  # [T, out] each
+        stacked = BlockQuantized.stack(parts) if len(parts) > 1 else None
+        if stacked is None:  # one module, or blocks that differ: a MatMulNBits each
+            names = [self.module_name(layer, prefix, m) for m in modules]
+            ys = [self.qgraph.matmul(x, *part) for part in zip(parts, weights, names)]
+        else:
+            name = self.module_name(layer, prefix, "+".join(modules))
+            rows = [p.shape[0] for p in parts]
+            ys = self.qgraph.stacked_matmul(x, stacked, weights, rows, name)
         return [self.delta_and_bias(layer, x, y, prefix, m) for y, m in zip(ys, modules)]
 
     @staticmethod
@@ -160,15 +159,20 @@ class DecoderBuilder:
         """The checkpoint name of a linear module's weight (fused modules: of its part)."""
         return f"model.layers.{layer}.{prefix}.{module}.weight"
 
+    @staticmethod
+    def module_name(layer: int, prefix: str, module: str) -> str:
+        """The graph name prefix of a linear module's nodes."""
+        return f"/model/layers.{layer}/{prefix}/{module}"
+
     def delta_and_bias(self, layer: int, x: str, y: str, prefix: str, module: str) -> str:
         """y = x @ W^T plus the LoRA delta if `module` is a target, then its bias."""
-        hf = f"model.layers.{layer}.{prefix}.{module}"
+        name = self.module_name(layer, prefix, module)
+        bias = f"model.layers.{layer}.{prefix}.{module}.bias"
         if module in self.targets:
-            y = self.lora(layer, x, y, module, f"/model/layers.{layer}/{prefix}/{module}")
-        if self.src.has(f"{hf}.bias"):  # after LoraSGMV: DoRA scales W x + delta, not the bias
-            sizes = self.cfg.module_sizes()[module]
-            b = self.weight(f"{hf}.bias", (sizes["out"],))
-            (y,) = self.g.node("Add", [y, b], f"/model/layers.{layer}/{prefix}/{module}/Add")
+            y = self.lora(layer, x, y, module, name)  # [T, out]
+        if self.src.has(bias):  # after LoraSGMV: DoRA scales W x + delta, not the bias
+            b = self.weight(bias, (self.cfg.module_sizes()[module]["out"],))
+            (y,) = self.g.node("Add", [y, b], f"{name}/Add")
         return y  # [T, out]
 
     def lora(self, layer: int, x: str, y: str, module: str, name: str) -> str:
