@@ -383,7 +383,8 @@ def test_affinity(tiny_llama_export, adapter_root, cluster, routing, record_prop
     if routing == "adapter":
         assert all(len(per) == 1 for per in figures.values()), figures
         assert rate >= 0.9, figures
-    else:  # simulated (a random replica, an LRU of 3): hit rate 0.61 on average; >= 0.9 in
-        # 0.02 % of runs; fewer than 3 adapters on both replicas in far fewer
+    else:  # the spread is what costs default routing its hits; the hit rate itself follows
+        # Ray's router's choices (a simulated random pick with an LRU of 3: 0.61 on average,
+        # but a CI run saw 0.90, one replica given only 3 of the 4 adapters), so it is recorded,
+        # not asserted; fewer than 3 adapters on both replicas is rare in the simulation
         assert sum(len(per) == 2 for per in figures.values()) >= 3, figures
-        assert rate < 0.9, figures
