@@ -10,8 +10,10 @@ the venv directory to try again).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,3 +106,18 @@ def version(python: Path, distribution: str) -> str | None:
     code = f"import importlib.metadata as m; print(m.version({distribution!r}))"
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
     return proc.stdout.strip() or None
+
+
+def run_child(python, script: Path, flags: list[str], job: dict, env: dict) -> dict:
+    """Run a peer's child script in its venv's python (`python -P SCRIPT [FLAGS] JOB OUT`) on
+    `job`; the OUT json it writes. RuntimeError if it exits non-zero or writes none (its log is
+    its stderr: bench.log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        cmd = [str(python), "-P", str(script), *flags, str(job_path), str(out_path)]
+        proc = subprocess.run(cmd, env=env, check=False)
+        if proc.returncode != 0 or not out_path.is_file():
+            what = " ".join([script.name, *flags])
+            raise RuntimeError(f"{what} exited {proc.returncode} (its log: stderr / bench.log)")
+        return json.loads(out_path.read_text())

@@ -16,13 +16,11 @@ the child's process tree while it serves.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from ort_lora.bench.metrics import RequestTimes
+from ort_lora.bench.peers import run_child
 from ort_lora.bench.spec import RunSpec
 from ort_lora.bench.workloads import Workload
 
@@ -75,12 +73,4 @@ def prepare(python: str | Path, hf: str | Path, adapters: list, threads: int) ->
 
 def _child(python, flags: list[str], job: dict, threads: int) -> dict:
     """Run optimum_child.py on `job` in the venv's python; its OUT json."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_path.write_text(json.dumps(job))
-        cmd = [str(python), "-P", str(CHILD), *flags, str(job_path), str(out_path)]
-        proc = subprocess.run(cmd, env=optimum_env(threads), check=False)
-        if proc.returncode != 0 or not out_path.is_file():
-            what = " ".join(["optimum_child.py", *flags])
-            raise RuntimeError(f"{what} exited {proc.returncode} (its log: stderr / bench.log)")
-        return json.loads(out_path.read_text())
+    return run_child(python, CHILD, flags, job, optimum_env(threads))

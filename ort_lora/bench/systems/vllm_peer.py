@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 from ort_lora.bench.metrics import RequestTimes
+from ort_lora.bench.peers import run_child
 from ort_lora.bench.spec import RunSpec
 from ort_lora.bench.systems.http_server import _free_port, measure_server
 from ort_lora.bench.workloads import Workload
@@ -54,14 +54,7 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         "max_num_seqs": 64,
         "max_model_len": MAX_MODEL_LEN,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_path.write_text(json.dumps(job))
-        cmd = [python, "-P", str(CHILD), str(job_path), str(out_path)]
-        proc = subprocess.run(cmd, env=vllm_env(spec.threads), check=False)
-        if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"vllm_child.py exited {proc.returncode} (see bench.log)")
-        out = json.loads(out_path.read_text())
+    out = run_child(python, CHILD, [], job, vllm_env(spec.threads))
     times = [RequestTimes(r.arrival_s, t) for r, t in zip(workload.requests, out["token_s"])]
     extra = {"cpu_s": out["cpu_s"], "server_peak_rss_mb": out["peak_rss_mb"]}
     return times, {**extra, "vllm_version": out["version"]}
