@@ -3,6 +3,7 @@
 #include "common/ort_common.h"
 #include "lora_sgmv/lora_sgmv_op.h"
 #include "paged_attention/paged_attention_op.h"
+#include "quant_matmul/quant_matmul_op.h"
 #ifdef ORT_LORA_WITH_CUDA
 #include "cuda/lora_sgmv_cuda_op.h"
 #endif
@@ -15,6 +16,7 @@ constexpr const char* kDomain = "ort_lora";
 struct Registry {
   ort_lora::LoraSgmvOp lora_sgmv_cpu;
   ort_lora::PagedAttentionOp paged_attention_cpu;
+  ort_lora::QuantMatMulOp quant_matmul_cpu;
 #ifdef ORT_LORA_WITH_CUDA
   ort_lora::LoraSgmvCudaOp lora_sgmv_cuda_f16{ort_lora::SgmvDtype::kFloat16};
   ort_lora::LoraSgmvCudaOp lora_sgmv_cuda_bf16{ort_lora::SgmvDtype::kBFloat16};
@@ -40,6 +42,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     Ort::CustomOpDomain domain(kDomain);
     domain.Add(&registry->lora_sgmv_cpu);
     domain.Add(&registry->paged_attention_cpu);
+    domain.Add(&registry->quant_matmul_cpu);
 #ifdef ORT_LORA_WITH_CUDA
     // Constructing these calls no CUDA function: the library loads without a GPU or driver.
     domain.Add(&registry->lora_sgmv_cuda_f16);

@@ -61,12 +61,15 @@ Quantized base weights (manifest.quantization, --weights int4|int8; CPU, float32
 and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks of
 quantization.block_size input values (quantization.bits per value, accuracy_level as
 recorded: 4 = the op quantizes its float input to int8 per block), the embedding Gather is
-GatherBlockQuantized and the LM head MatMulNBits, both at embedding_and_head_bits (8). Modules
-that read the same input (q/k/v, gate/up) share one MatMulNBits over their stacked rows, whose
-output a Split cuts into the modules' y (export/quant_graph.py). The graph's inputs and outputs,
+GatherBlockQuantized and the LM head MatMulNBits, both at embedding_and_head_bits (8). 4-bit
+linear weights at accuracy_level 4 are ort_lora.QuantMatMul instead (linear_op; the same
+numbers in 64-column tiles for int8 dot products, custom_ops/quant_matmul/quant_matmul_op.h,
+a GGUF Q4_1 offset as its input, not a branch). Modules that read the same input (q/k/v,
+gate/up) share one product over their stacked rows, whose output a Split cuts into the
+modules' y (export/quant_graph.py). The graph's inputs and outputs,
 the pool and LoraSGMV are unchanged: LoraSGMV reads the float input x and adds its float32
 delta to the quantized projection's output. The entry records:
-  weights, bits, block_size, accuracy_level, op     what the graph runs
+  weights, bits, block_size, accuracy_level, op, linear_op     what the graph runs
   linear                  how round-to-nearest quantizes linear weights (int4: asymmetric
                           with zero points; int8: symmetric)
   embedding_and_head_bits 8 (symmetric)

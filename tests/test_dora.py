@@ -477,13 +477,19 @@ def _ggml_types(name: str) -> str:
     return "Q4_0" if "q_proj" in name else "Q8_0" if "embed" in name else "Q4_1"
 
 
-@pytest.mark.parametrize("source, weights", [("hf", "int4"), ("hf", "int8"), ("gguf", "int4")])
+@pytest.mark.parametrize(
+    "source, weights, level",
+    [("hf", "int4", 0), ("hf", "int4", 4), ("hf", "int8", 0), ("gguf", "int4", 0),
+     ("gguf", "int4", 4)],
+)  # fmt: skip
 def test_quantized_exports_read_back_as_their_dequantized_blocks(
-    tiny_llama_checkpoint, tmp_path, source, weights
+    tiny_llama_checkpoint, tmp_path, source, weights, level
 ):
     """The rows DoRA's norm reads from an int4 / int8 export (round-to-nearest with zero
-    points; GGUF Q4_0 / Q4_1 blocks with per-block offsets) are the export's own dequantized
-    weights, as the export's transformers reference reads them (quant_reference.py)."""
+    points; GGUF Q4_0 / Q4_1 blocks with per-block offsets; 4-bit blocks at accuracy_level 4
+    in QuantMatMul's tiles) are the export's own dequantized weights, as the export's
+    transformers reference reads them (quant_reference.py)."""
+    import onnx
     from quant_cases import export_quantized
 
     from ort_lora.export.quant_reference import exported_weights
@@ -492,7 +498,9 @@ def test_quantized_exports_read_back_as_their_dequantized_blocks(
     checkpoint = tiny_llama_checkpoint
     if source == "gguf":
         checkpoint = write_llama_gguf(tiny_llama_checkpoint, tmp_path / "t.gguf", _ggml_types)
-    out = export_quantized(checkpoint, tmp_path / "m", weights, 0)
+    out = export_quantized(checkpoint, tmp_path / "m", weights, level)
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert ("QuantMatMul" in ops) == (weights == "int4" and level == 4)
     blocks = exported_weights(out)
     base = ExportedWeights(out)
     offsets = 0
@@ -502,6 +510,10 @@ def test_quantized_exports_read_back_as_their_dequantized_blocks(
             offsets += q.offsets is not None
             want = q.dequantize()  # [out, in]
             np.testing.assert_allclose(base.rows(layer, module, 0, len(want)), want, atol=1e-6)
+            part = slice(len(want) // 3, len(want) - 5)
+            np.testing.assert_allclose(
+                base.rows(layer, module, part.start, part.stop), want[part], atol=1e-6
+            )
     assert (offsets > 0) == (source == "gguf"), "GGUF Q4_1 blocks carry a per-block offset"
 
 

@@ -114,6 +114,25 @@ void MayWriteOutputOverInput(OrtCustomOp& op) {
   OutputLikeInput<kInput>(op);
 }
 
+// The node's attribute `name`, or `fallback` when the node has none.
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
+  try {
+    return ki.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+// The node's int attribute `name`, or an InputError naming it when the node has none.
+inline int64_t RequiredInt(const Ort::ConstKernelInfo& ki, const char* name) {
+  try {
+    return ki.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    Fail("attribute '", name, "' (int) is required");
+  }
+}
+
 // A read-only view of one input with its shape, checked for rank and element type.
 struct InputView {
   Ort::ConstValue value;

@@ -26,23 +26,6 @@ enum Input {
   kNumInputs
 };
 
-template <typename T>
-T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
-  try {
-    return ki.GetAttribute<T>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
-}
-
-int64_t RequiredInt(const Ort::ConstKernelInfo& ki, const char* name) {
-  try {
-    return ki.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    Fail("attribute '", name, "' (int) is required");
-  }
-}
-
 const int32_t* Int32Data(const InputView& v) {
   return v.present ? v.value.GetTensorData<int32_t>() : nullptr;
 }

@@ -11,6 +11,9 @@ external data file) and finds, for each LoraSGMV node, the node producing its in
                                         W[n, k] = (code - zero point) * scale of k's block
                                         (4 or 8 bits; zero points packed uint8, float, or
                                         absent: 2^(bits - 1)), dequantized row by row
+  ort_lora.QuantMatMul(x, tiles, tile_scales[, tile_zeros][, tile_offsets])
+                                        4-bit blocks in 64-column tiles (export/quant.py's
+                                        tile_blocks), read a tile at a time
   Add(MatMulNBits(...), MatMul(block sums of x, offsets^T))
                                         the same plus each block's float offset (GGUF Q4_1
                                         mapped exactly, export/quant_graph.py)
@@ -35,6 +38,7 @@ import numpy as np
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.bfloat16 import bfloat16_bits_to_float32
 from ort_lora.contract import MODEL_NAME, OPS_DOMAIN
+from ort_lora.export.quant import TILE, TiledBlocks, untile_blocks
 
 MSFT = "com.microsoft"
 # ONNX TensorProto element type -> numpy dtype of the stored bytes (bfloat16: uint16 bits)
@@ -105,10 +109,27 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 @dataclass
+class _Tiled:
+    """ort_lora.QuantMatMul weights: TiledBlocks of a weight with n rows (export/quant.py)."""
+
+    tiled: TiledBlocks
+    n: int
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        first, last = start // TILE, -(-stop // TILE)
+        t = self.tiled
+        arrays = (t.codes, t.scales, t.zeros, t.offsets)
+        picked = [None if a is None else np.asarray(a[first:last]) for a in arrays]
+        blocks = untile_blocks(TiledBlocks(*picked), min(self.n, last * TILE) - first * TILE)
+        lo = start - first * TILE
+        return blocks.rows(slice(lo, lo + stop - start)).dequantize().astype(np.float64)
+
+
+@dataclass
 class _Rows:
     """Rows [start, ...) of another source's weight: one part of weights stacked by rows."""
 
-    source: _Dense | _NBits
+    source: _Dense | _NBits | _Tiled
     start: int
 
     def rows(self, start: int, stop: int) -> np.ndarray:
@@ -171,7 +192,7 @@ class _GraphIndex:
                 out[layer, match["module"]] = self._source(node.input[0])
         return out
 
-    def _source(self, y: str) -> _Dense | _NBits | _Rows | str:
+    def _source(self, y: str) -> _Dense | _NBits | _Tiled | _Rows | str:
         """How the weight behind base projection y is read, or why it cannot be."""
         node = self.producer.get(y)
         if node is None:
@@ -180,6 +201,8 @@ class _GraphIndex:
             return self._dense(node)
         if node.op_type == "MatMulNBits" and node.domain == MSFT:
             return self._nbits(node)
+        if node.op_type == "QuantMatMul" and node.domain == OPS_DOMAIN:
+            return self._tiled(node)
         if node.op_type == "Add" and node.domain in ("", "ai.onnx"):
             return self._with_offsets(node)
         if node.op_type == "Split" and node.domain in ("", "ai.onnx"):
@@ -206,6 +229,15 @@ class _GraphIndex:
         codes, scales = self._array(tensors[0]), self._array(tensors[1])
         zero_points = None if tensors[2] is None else self._array(tensors[2])
         return _NBits(codes, scales, zero_points, bits, block, attrs["K"], attrs["N"])
+
+    def _tiled(self, node) -> _Tiled | str:
+        names = [*node.input[1:5], "", "", ""][:4]  # tiles, scales, zeros, offsets
+        tensors = [self.inits.get(name) if name else None for name in names]
+        if any(name and t is None for name, t in zip(names, tensors)):
+            return f"QuantMatMul {node.name} reads weights that are not initializers"
+        arrays = [None if t is None else self._array(t) for t in tensors]
+        n = next(a.i for a in node.attribute if a.name == "N")
+        return _Tiled(TiledBlocks(*arrays), n)
 
     def _with_offsets(self, node) -> _NBits | str:
         """Add(MatMulNBits(x), MatMul(block sums of x, offsets_t)): the offset branch."""

@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="rare options: max_position_embeddings=N, verify_tol=X, verify_steps=N, "
         "verify_prompts=N; with --weights int4/int8: accuracy_level=0|1|4 (MatMulNBits, "
-        "default 4: int8 activations), gguf_q4_1=offset|zero_point",
+        "default 4: int8 activations), gguf_q4_1=offset|zero_point, "
+        "int4_op=QuantMatMul|MatMulNBits (4-bit linears: ort_lora's kernel, the default, or ORT's)",
     )
     return p
 

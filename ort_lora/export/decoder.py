@@ -64,7 +64,9 @@ class DecoderBuilder:
         if adapter_dtype is not None:
             self.lora_attrs["adapter_dtype"] = ROW_TYPES[adapter_dtype]
         self.quantizer = None if quant is None else Quantizer(quant, source, self.read)
-        self.qgraph = None if quant is None else QuantGraph(graph, quant.accuracy_level)
+        self.qgraph = None
+        if quant is not None:
+            self.qgraph = QuantGraph(graph, quant.accuracy_level, quant.linear_op)
 
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> str:

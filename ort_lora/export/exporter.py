@@ -24,8 +24,13 @@ from ort_lora.export.loader import open_checkpoint
 from ort_lora.export.quantizer import WEIGHTS, QuantConfig
 
 DEVICE_DTYPES = {"cpu": ("float32",), "cuda": ("float16", "bfloat16")}
-EXTRA_KEYS = {"max_position_embeddings": int, "accuracy_level": int, "gguf_q4_1": str}
-QUANT_EXTRAS = ("accuracy_level", "gguf_q4_1")
+EXTRA_KEYS = {
+    "max_position_embeddings": int,
+    "accuracy_level": int,
+    "gguf_q4_1": str,
+    "int4_op": str,
+}
+QUANT_EXTRAS = ("accuracy_level", "gguf_q4_1", "int4_op")
 
 
 def export_model(
@@ -56,7 +61,8 @@ def export_model(
         and activations stay float32.
     extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows;
         quantized exports: accuracy_level (MatMulNBits, default 4), gguf_q4_1 (offset |
-        zero_point).
+        zero_point), int4_op (QuantMatMul, ort_lora's int8-activation kernel for 4-bit
+        linears, the default | MatMulNBits, ONNX Runtime's).
     Raises ExportError with a message for users on any bad input.
     """
     targets = _check_targets(lora_targets)

@@ -3,7 +3,10 @@
     x [T, K] ─ MatMulNBits(B, scales[, zero_points]) ─────────────────┬─ Add ─ y [T, N]
        └ (offsets only) Reshape [T, K/b, b] ─ ReduceSum ─ MatMul(offsets^T) ┘
 
-    x [T, K] ─ (the same, W = q/k/v or gate/up stacked by rows) ─ Split ─ y_q, y_k, y_v
+    x [T, K] ─ ort_lora.QuantMatMul(tiles, tile_scales[, tile_zeros][, tile_offsets]) ─ y [T, N]
+               (4-bit weights at accuracy_level 4, linear_op "QuantMatMul": quant.tile_blocks)
+
+    x [T, K] ─ (either, W = q/k/v or gate/up stacked by rows) ─ Split ─ y_q, y_k, y_v
 
     input_ids [T] ─ GatherBlockQuantized(B as [V, H * bits / 8], scales) ─ [T, H]
 
@@ -15,16 +18,18 @@ MatMulNBits instead of 7, and 4 offset branches (about 3 ms of a 65 ms SmolLM2 d
 32 sequences). Initializers are named after the checkpoint tensor: `{weight}/quant/B`,
 `/scales`, `/zero_points`, `/offsets_T`; stacked weights after their parts (stacked_name:
 `model.layers.0.self_attn.q_proj+k_proj+v_proj.weight`), with `/quant/rows` (the Split's
-sizes). quant_reference.py and adapters/base_weights.py read the quantized weights back by
-these names and nodes.
+sizes); QuantMatMul's `/quant/tiles`, `/tile_scales`, `/tile_zeros`, `/tile_offsets`.
+quant_reference.py and adapters/base_weights.py read the quantized weights back by these
+names and nodes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ort_lora.contract import OPS_DOMAIN
 from ort_lora.export.graph import GraphBuilder
-from ort_lora.export.quant import BlockQuantized
+from ort_lora.export.quant import BlockQuantized, tile_blocks
 
 MSFT = "com.microsoft"
 QUANT = "/quant/"
@@ -33,14 +38,16 @@ QUANT = "/quant/"
 class QuantGraph:
     """Emits the nodes of quantized weights into a GraphBuilder (float32 activations)."""
 
-    def __init__(self, graph: GraphBuilder, accuracy_level: int):
-        self.g, self.accuracy_level = graph, accuracy_level
+    def __init__(self, graph: GraphBuilder, accuracy_level: int, linear_op: str = "MatMulNBits"):
+        self.g, self.accuracy_level, self.linear_op = graph, accuracy_level, linear_op
         self._block_sums: dict[tuple[str, int], str] = {}
         self._written: set[str] = set()
 
     def matmul(self, x: str, q: BlockQuantized, weight: str, name: str) -> str:
         """y = x @ W^T for W = q (checkpoint tensor `weight`).  x: [T, K] -> [T, N]."""
         n, k = q.shape
+        if q.bits == 4 and self.linear_op == "QuantMatMul":
+            return self._quant_matmul(x, q, weight, name)
         inputs = [x, self._init(f"{weight}{QUANT}B", q.codes, "uint8")]
         inputs.append(self._init(f"{weight}{QUANT}scales", q.scales, "float32"))
         zero_points = q.packed_zero_points()
@@ -64,6 +71,22 @@ class QuantGraph:
         w = self._init(f"{weight}{QUANT}offsets_T", offsets_t, "float32")
         (extra,) = self.g.node("MatMul", [sums, w], f"{name}/offsets/MatMul")  # [T, N]
         return self.g.node("Add", [y, extra], f"{name}/offsets/Add")[0]
+
+    def _quant_matmul(self, x: str, q: BlockQuantized, weight: str, name: str) -> str:
+        """ort_lora.QuantMatMul over q in its tiles (quant.tile_blocks); offsets inside."""
+        t = tile_blocks(q)
+        inputs = [x, self._init(f"{weight}{QUANT}tiles", t.codes, "uint8")]
+        inputs.append(self._init(f"{weight}{QUANT}tile_scales", t.scales, "float32"))
+        for field, dtype in (("zeros", "uint8"), ("offsets", "float32")):
+            data = getattr(t, field)
+            init = None if data is None else self._init(f"{weight}{QUANT}tile_{field}", data, dtype)
+            inputs.append(init or "")
+        while inputs[-1] == "":
+            inputs.pop()
+        n, k = q.shape
+        attrs = dict(K=k, N=n, bits=4, block_size=q.block_size)
+        (y,) = self.g.node("QuantMatMul", inputs, f"{name}/QuantMatMul", domain=OPS_DOMAIN, **attrs)
+        return y
 
     def stacked_matmul(
         self, x: str, q: BlockQuantized, weights: list[str], rows: list[int], name: str

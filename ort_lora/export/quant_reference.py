@@ -1,8 +1,8 @@
 """The transformers reference of a quantized export: the same model on the numbers the export
 holds, read back from its model.onnx, so --verify and the tests compare like with like.
 
-- weights: every MatMulNBits / GatherBlockQuantized weight of the graph (stacked ones split
-  back into their parts), dequantized
+- weights: every MatMulNBits / QuantMatMul / GatherBlockQuantized weight of the graph (stacked
+  ones split back into their parts), dequantized
   (quant.py's BlockQuantized.dequantize, checked against ORT's own kernel in the tests), is
   loaded into the transformers model in place of the checkpoint's tensor (fused modules: the
   parts concatenated back).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ort_lora.export.quant import BlockQuantized, quantize_activations
+from ort_lora.export.quant import BlockQuantized, TiledBlocks, quantize_activations, untile_blocks
 from ort_lora.export.quant_graph import QUANT, stacked_parts
 
 
@@ -39,11 +39,16 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
 
     out = {}
     for node in model.graph.node:
-        if node.op_type not in ("MatMulNBits", "GatherBlockQuantized"):
+        if node.op_type not in ("MatMulNBits", "GatherBlockQuantized", "QuantMatMul"):
             continue
         data = node.input[0 if node.op_type == "GatherBlockQuantized" else 1]
         attrs = {a.name: a.i for a in node.attribute}
         weight = data.rsplit(QUANT, 1)[0]
+        if node.op_type == "QuantMatMul":  # ort_lora's 4-bit op: tiles (quant.tile_blocks)
+            fields = ("tiles", "tile_scales", "tile_zeros", "tile_offsets")
+            tiled = TiledBlocks(*(array(f"{weight}{QUANT}{f}") for f in fields))
+            out.update(_parts(weight, untile_blocks(tiled, attrs["N"]), array))
+            continue
         scales = array(f"{weight}{QUANT}scales")
         zeros = array(f"{weight}{QUANT}zero_points")
         offsets_t = array(f"{weight}{QUANT}offsets_T")
@@ -56,14 +61,17 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
             offsets=None if offsets_t is None else np.ascontiguousarray(offsets_t.T),
             method="exported",
         )
-        parts = stacked_parts(weight)
-        if len(parts) == 1:
-            out[weight] = blocks
-            continue
-        starts = np.cumsum([0, *array(f"{weight}{QUANT}rows")])  # a stacked weight's parts
-        for part, start, stop in zip(parts, starts, starts[1:]):
-            out[part] = blocks.rows(slice(start, stop))
+        out.update(_parts(weight, blocks, array))
     return out
+
+
+def _parts(weight: str, blocks: BlockQuantized, array) -> dict[str, BlockQuantized]:
+    """{weight: blocks}, or each part's rows of a stacked weight."""
+    parts = stacked_parts(weight)
+    if len(parts) == 1:
+        return {weight: blocks}
+    starts = np.cumsum([0, *array(f"{weight}{QUANT}rows")])
+    return {p: blocks.rows(slice(a, b)) for p, a, b in zip(parts, starts, starts[1:])}
 
 
 def _unpack_zeros(packed: np.ndarray, shape: tuple[int, int], bits: int) -> np.ndarray:

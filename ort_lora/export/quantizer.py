@@ -24,6 +24,8 @@ from ort_lora.export.quant import BlockQuantized, check_block_size, check_divide
 
 WEIGHTS = {"int4": 4, "int8": 8}
 ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits on CPU: 0/1 float32 compute, 4 int8 activations
+# what multiplies 4-bit linear weights at accuracy_level 4: our VNNI kernel or ORT's MLAS one
+INT4_OPS = ("QuantMatMul", "MatMulNBits")
 HEAD_BITS = 8
 # a carried-over tensor that should be exact may differ from the checkpoint by float32
 # rounding of d * q + m (relative to the tensor's largest value), never more
@@ -41,6 +43,7 @@ class QuantConfig:
     block_size: int = 32
     accuracy_level: int = 4
     gguf_q4_1: str = "offset"  # how GGUF Q4_1 blocks map: "offset" (exact) | "zero_point"
+    int4_op: str = "QuantMatMul"  # 4-bit linears at accuracy_level 4: ort_lora's op or ORT's
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -52,6 +55,13 @@ class QuantConfig:
             )
         if self.gguf_q4_1 not in Q4_1_MODES:
             raise ExportError(f"gguf_q4_1 {self.gguf_q4_1!r}: expected one of {Q4_1_MODES}")
+        if self.int4_op not in INT4_OPS:
+            raise ExportError(f"int4_op {self.int4_op!r}: expected one of {INT4_OPS}")
+
+    @property
+    def linear_op(self) -> str:
+        """The op of 4-bit linear weights: ort_lora.QuantMatMul needs int8 activations."""
+        return self.int4_op if self.bits == 4 and self.accuracy_level == 4 else "MatMulNBits"
 
     @property
     def bits(self) -> int:
@@ -123,6 +133,9 @@ class Quantizer:
         return {
             "weights": c.weights,
             "op": "com.microsoft.MatMulNBits",
+            "linear_op": "ort_lora.QuantMatMul"
+            if c.linear_op == "QuantMatMul"
+            else "com.microsoft.MatMulNBits",
             "bits": c.bits,
             "block_size": c.block_size,
             "accuracy_level": c.accuracy_level,

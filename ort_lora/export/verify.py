@@ -1,13 +1,13 @@
 """--verify: compare an export with transformers on the same checkpoint.
 
 A quantized export is compared with transformers on its own dequantized weights (the numbers
-the graph holds, quant_reference.py). What --verify checks runs the export's MatMulNBits at
-accuracy_level 0 (float inputs; a copy of the graph, the weights shared), so the float
-tolerance holds and a wrong block, scale or offset shows. The served accuracy_level 4 rounds
-every input to int8 per block on top: a real difference, reported beside the check (SmolLM2:
-up to ~1 on logits of ~23). Emulating that rounding in the reference does not help a deep
-model: the first input that rounds differently (float32 summation order) changes every later
-layer's inputs; the tiny-model tests, where it does help, use it (quant_cases.py).
+the graph holds, quant_reference.py). What --verify checks runs the export's MatMulNBits and
+QuantMatMul at accuracy_level 0 (float inputs; a copy of the graph, the weights shared), so
+the float tolerance holds and a wrong block, scale or offset shows. The served accuracy_level
+4 rounds every input to int8 per block on top: a real difference, reported beside the check
+(SmolLM2: up to ~1.5 on logits of ~23). Emulating that rounding in the reference does not
+help a deep model: the first input that rounds differently (float32 summation order) changes
+every later layer's inputs; the tiny-model tests, where it does help, use it (quant_cases.py).
 
 For each prompt: prefill (logits of the last prompt token), then greedy decode steps through the
 paged cache (one token per step, the pages of the sequence spread over several blocks), each
@@ -114,7 +114,8 @@ def verify_export(
 @contextlib.contextmanager
 def at_accuracy_level(out_dir: Path, level: int | None):
     """out_dir itself, or (level given, a quantized export recorded at another level) a
-    temporary model directory whose graph runs MatMulNBits at `level`, data shared."""
+    temporary model directory whose graph runs MatMulNBits / QuantMatMul at `level`, data
+    shared."""
     from ort_lora import contract as C
 
     manifest = json.loads((out_dir / C.MANIFEST_NAME).read_text())
@@ -126,9 +127,10 @@ def at_accuracy_level(out_dir: Path, level: int | None):
 
     model = onnx.load(str(out_dir / C.MODEL_NAME), load_external_data=False)
     for node in model.graph.node:
-        for attr in node.attribute:
-            if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
-                attr.i = level
+        if node.op_type in ("MatMulNBits", "QuantMatMul"):
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
     # a sibling of out_dir: ORT refuses external data outside the model's directory (a
     # symlink included), and a hard link needs the same file system
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.verify_", dir=out_dir.parent) as tmp:

@@ -1,0 +1,430 @@
+#include "quant_matmul/quant_matmul_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define ORT_LORA_QUANT_X86 1
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn of it (GCC bug 105593)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace ort_lora {
+
+namespace {
+
+constexpr int64_t kChunkRows = 64;       // rows of x per work item (their int8 copy stays in L2)
+constexpr int64_t kTargetItems = 16;     // work items a call aims for (2-16 threads)
+constexpr int64_t kQuantizeSerial = 64;  // up to this many rows, x is quantized inline
+constexpr int64_t kLanes = 16;           // columns of one AVX-512 register: a strip
+constexpr int64_t kStrips = kQuantTile / kLanes;  // strips per tile
+constexpr int64_t kChunkBytes = kQuantTile * 4;   // a tile's codes of 8 k
+
+// x quantized per block, and what the kernels multiply by.
+struct Problem {
+  const QuantMatMulArgs* a;
+  int64_t blocks, tiles, chunks, tiles_per_item;
+  int8_t* xq;     // [m, k]
+  float* xscale;  // [m, blocks] amax / 127
+  float* xqsum;   // [m, blocks] xscale * sum(codes): what the zero points multiply
+  float* xsum;    // [m, blocks] float sums of x: what the offsets multiply (with offsets)
+};
+
+// ---- quantizing x: per block, scale amax / 127, codes rint(x * (127 / amax)) ----
+
+void QuantizeRowBase(const Problem& p, int64_t row) {
+  const QuantMatMulArgs& a = *p.a;
+  const float* x = a.x + row * a.k;
+  int8_t* q = p.xq + row * a.k;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const float* xb = x + b * a.block_size;
+    float amax = 0.0f, fsum = 0.0f;
+    for (int64_t i = 0; i < a.block_size; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    int32_t qsum = 0;
+    for (int64_t i = 0; i < a.block_size; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      q[b * a.block_size + i] = static_cast<int8_t>(v);
+      qsum += v;
+      fsum += xb[i];
+    }
+    const float scale = amax / 127.0f;
+    p.xscale[row * p.blocks + b] = scale;
+    p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
+    if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
+  }
+}
+
+#ifdef ORT_LORA_QUANT_X86
+__attribute__((target("arch=x86-64-v4"))) void QuantizeRowAvx512(const Problem& p, int64_t row) {
+  const QuantMatMulArgs& a = *p.a;
+  const float* x = a.x + row * a.k;
+  int8_t* q = p.xq + row * a.k;
+  const int64_t bs = a.block_size;  // a multiple of 16
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const float* xb = x + b * bs;
+    __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < bs; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xb + i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      vsum = _mm512_add_ps(vsum, v);
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const __m512 inv = _mm512_set1_ps(amax == 0.0f ? 0.0f : 127.0f / amax);
+    __m512i isum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < bs; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
+      isum = _mm512_add_epi32(isum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * bs + i), _mm512_cvtsepi32_epi8(v));
+    }
+    const float scale = amax / 127.0f;
+    p.xscale[row * p.blocks + b] = scale;
+    p.xqsum[row * p.blocks + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(isum));
+    if (p.xsum) p.xsum[row * p.blocks + b] = _mm512_reduce_add_ps(vsum);
+  }
+}
+
+__attribute__((target("arch=x86-64-v3"))) void QuantizeRowAvx2(const Problem& p, int64_t row) {
+  const QuantMatMulArgs& a = *p.a;
+  const float* x = a.x + row * a.k;
+  int8_t* q = p.xq + row * a.k;
+  const int64_t bs = a.block_size;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const float* xb = x + b * bs;
+    __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < bs; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xb + i);
+      vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+      vsum = _mm256_add_ps(vsum, v);
+    }
+    float lanes[8], sums[8];
+    _mm256_storeu_ps(lanes, vmax);
+    _mm256_storeu_ps(sums, vsum);
+    const float amax = *std::max_element(lanes, lanes + 8);
+    const __m256 inv = _mm256_set1_ps(amax == 0.0f ? 0.0f : 127.0f / amax);
+    __m256i isum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < bs; i += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));
+      isum = _mm256_add_epi32(isum, v);
+      const __m128i w16 =
+          _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + b * bs + i), _mm_packs_epi16(w16, w16));
+    }
+    int32_t ints[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ints), isum);
+    int32_t qsum = 0;
+    float fsum = 0.0f;
+    for (int i = 0; i < 8; ++i) qsum += ints[i], fsum += sums[i];
+    const float scale = amax / 127.0f;
+    p.xscale[row * p.blocks + b] = scale;
+    p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
+    if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
+  }
+}
+#endif
+
+// ---- the products: one tile of 16 columns x up to MR rows over all of K ----
+
+struct TileArgs {
+  const uint8_t* codes;  // the tile's codes, block 0
+  const float* scales;   // the tile's [blocks, 16]
+  const uint8_t* zeros;
+  const float* offsets;
+  int64_t row, columns;  // first row; valid columns from the tile's first on
+  float* y;              // y[row, tile's first column]
+};
+
+TileArgs Strip(const Problem& p, int64_t row, int64_t strip) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t tile = strip / kStrips, column = strip * kLanes;
+  const int64_t at = tile * p.blocks * kQuantTile + strip % kStrips * kLanes;
+  return {a.codes + tile * p.blocks * a.block_size / 8 * kChunkBytes + strip % kStrips * 64,
+          a.scales + at,
+          a.zeros ? a.zeros + at : nullptr,
+          a.offsets ? a.offsets + at : nullptr,
+          row,
+          a.n - column,
+          a.y + row * a.n + column};
+}
+
+template <int MR>
+void TileBase(const Problem& p, const TileArgs& t) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t bs = a.block_size;
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = t.row + r;
+    for (int64_t c = 0; c < std::min(kLanes, t.columns); ++c) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        const uint8_t* w = t.codes + b * bs / 8 * kChunkBytes + 4 * c;
+        const int8_t* xb = p.xq + row * a.k + b * bs;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < bs / 8; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = w[j * kChunkBytes + i];
+            dot += xb[8 * j + i] * (byte & 0x0F) + xb[8 * j + 4 + i] * (byte >> 4);
+          }
+        const int64_t at = b * kQuantTile + c, xt = row * p.blocks + b;
+        const float s = t.scales[at];
+        const float zero = t.zeros ? static_cast<float>(t.zeros[at]) : 8.0f;
+        acc += static_cast<float>(dot) * (s * p.xscale[xt]);
+        acc += -(s * zero) * p.xqsum[xt];
+        if (t.offsets) acc += t.offsets[at] * p.xsum[xt];
+      }
+      t.y[r * a.n + c] = acc;
+    }
+  }
+}
+
+// Float x (float_x): each block of the strip's weights dequantized, then float dot products.
+void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t bs = a.block_size, columns = std::min(kLanes, t.columns);
+  std::vector<float> w(bs);
+  for (int64_t r = 0; r < rows; ++r) std::fill(t.y + r * a.n, t.y + r * a.n + columns, 0.0f);
+  for (int64_t b = 0; b < p.blocks; ++b)
+    for (int64_t c = 0; c < columns; ++c) {
+      const int64_t at = b * kQuantTile + c;
+      const float s = t.scales[at], zero = t.zeros ? float(t.zeros[at]) : 8.0f;
+      const float off = t.offsets ? t.offsets[at] : 0.0f;
+      for (int64_t j = 0; j < bs / 8; ++j)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = t.codes[b * bs / 8 * kChunkBytes + j * kChunkBytes + 4 * c + i];
+          w[8 * j + i] = (float(byte & 0x0F) - zero) * s + off;
+          w[8 * j + 4 + i] = (float(byte >> 4) - zero) * s + off;
+        }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* x = a.x + (t.row + r) * a.k + b * bs;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < bs; ++i) acc += x[i] * w[i];
+        t.y[r * a.n + c] += acc;
+      }
+    }
+}
+
+#ifdef ORT_LORA_QUANT_X86
+// MR rows x NT adjacent tiles: MR * NT independent chains of dot products (one row alone
+// would wait on each dpbusd's latency).
+template <int MR, int NT>
+__attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
+                                                                     const TileArgs& t) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
+  const int8_t* xq = p.xq + t.row * k;
+  const float* xscale = p.xscale + t.row * blocks;
+  const float* xqsum = p.xqsum + t.row * blocks;
+  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* w = t.codes;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NT; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NT; ++c) dot[r][c] = _mm512_setzero_si512();
+    const int8_t* xb = xq + b * a.block_size;
+    for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NT; ++c) {
+        const __m512i packed = _mm512_loadu_si512(w + c * 64);
+        const __m512i lo = _mm512_and_si512(packed, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xb + r * k + 8 * j, 4);
+          std::memcpy(&x1, xb + r * k + 8 * j + 4, 4);
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo, _mm512_set1_epi32(x0));
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi, _mm512_set1_epi32(x1));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NT; ++c) {
+      const int64_t at = b * kQuantTile + c * kLanes;
+      const __m512 s = _mm512_loadu_ps(t.scales + at);
+      const __m512 zero = t.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
+                                  : _mm512_set1_ps(8.0f);
+      const __m512 wz = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), zero));
+      const __m512 off = xsum ? _mm512_loadu_ps(t.offsets + at) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xscale[r * blocks + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), sx, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(wz, _mm512_set1_ps(xqsum[r * blocks + b]), acc[r][c]);
+        if (xsum) acc[r][c] = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[r * blocks + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < NT; ++c) {
+    const int64_t columns = std::clamp<int64_t>(t.columns - c * kLanes, 0, kLanes);
+    const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(t.y + r * a.n + c * kLanes, mask, acc[r][c]);
+  }
+}
+
+// AVX2 has no int8 dot product into int32: maddubs (u8 x s8 pairs to int16; a 4-bit code
+// times 127, twice, cannot saturate) and madd with ones. Eight columns (one half) at a time.
+template <int MR>
+__attribute__((target("arch=x86-64-v3"))) void TileAvx2(const Problem& p, const TileArgs& t) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
+  const int8_t* xq = p.xq + t.row * k;
+  const float* xscale = p.xscale + t.row * blocks;
+  const float* xqsum = p.xqsum + t.row * blocks;
+  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t columns = std::min<int64_t>({8, t.columns - 8 * half, kLanes});
+    if (columns <= 0) break;
+    const uint8_t* w = t.codes + 32 * half;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i dot[MR];
+      for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
+      const int8_t* xb = xq + b * a.block_size;
+      for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i lo = _mm256_and_si256(packed, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xb + r * k + 8 * j, 4);
+          std::memcpy(&x1, xb + r * k + 8 * j + 4, 4);
+          const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
+          const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+        }
+      }
+      const int64_t at = b * kQuantTile + 8 * half;
+      const __m256 s = _mm256_loadu_ps(t.scales + at);
+      const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
+                                  : _mm256_set1_ps(8.0f);
+      const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sx, acc[r]);
+        acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
+      }
+      if (xsum) {
+        const __m256 off = _mm256_loadu_ps(t.offsets + at);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* out = t.y + r * a.n + 8 * half;
+      if (columns == 8) {
+        _mm256_storeu_ps(out, acc[r]);
+      } else {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        std::memcpy(out, lanes, columns * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+using TileFn = void (*)(const Problem&, const TileArgs&);
+struct Kernels {
+  void (*quantize)(const Problem&, int64_t row);
+  const TileFn* tiles;  // tiles[r - 1]: r rows x strips[r - 1] strips of a tile
+  const int* strips;
+  int rows;  // rows of a full row group
+};
+
+// The widest ISA the CPU has, capped by ORT_LORA_QUANT_ISA (avx512 | avx2 | baseline) so that
+// tests can run the narrower copies on a machine that has AVX-512 VNNI.
+Kernels SelectKernels() {
+  static constexpr TileFn base[] = {TileBase<1>, TileBase<2>, TileBase<3>, TileBase<4>};
+  static constexpr int one[] = {1, 1, 1, 1, 1, 1, 1, 1};
+#ifdef ORT_LORA_QUANT_X86
+  // few rows: several strips at once (independent dot-product chains, codes read in order)
+  static constexpr TileFn avx512[] = {TileAvx512<1, 4>, TileAvx512<2, 4>, TileAvx512<3, 2>,
+                                      TileAvx512<4, 2>, TileAvx512<5, 1>, TileAvx512<6, 1>,
+                                      TileAvx512<7, 1>, TileAvx512<8, 1>};
+  static constexpr int avx512_strips[] = {4, 4, 2, 2, 1, 1, 1, 1};
+  static constexpr TileFn avx2[] = {TileAvx2<1>, TileAvx2<2>, TileAvx2<3>, TileAvx2<4>};
+  __builtin_cpu_init();
+  const char* cap = std::getenv("ORT_LORA_QUANT_ISA");
+  const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni"))
+    return {QuantizeRowAvx512, avx512, avx512_strips, 8};
+  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return {QuantizeRowAvx2, avx2, one, 4};
+#endif
+  return {QuantizeRowBase, base, one, 4};
+}
+
+}  // namespace
+
+void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
+  static const Kernels kernels = SelectKernels();
+  if (a.m == 0 || a.n == 0) return;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> stats;
+  Problem p{&a,
+            a.k / a.block_size,
+            (a.n + kQuantTile - 1) / kQuantTile,
+            0,
+            0,
+            nullptr,
+            nullptr,
+            nullptr,
+            nullptr};
+  p.chunks = (a.m + kChunkRows - 1) / kChunkRows;
+  const int64_t wanted = std::max<int64_t>(1, kTargetItems / p.chunks);
+  p.tiles_per_item = std::max<int64_t>(1, (p.tiles + wanted - 1) / wanted);
+  xq.resize(a.m * a.k);
+  stats.resize(a.m * p.blocks * 3);
+  p.xq = xq.data();
+  p.xscale = stats.data();
+  p.xqsum = p.xscale + a.m * p.blocks;
+  p.xsum = a.offsets ? p.xqsum + a.m * p.blocks : nullptr;
+
+  if (a.float_x) {
+    parallel(static_cast<size_t>(p.tiles * kStrips), [&](size_t strip) {
+      if (static_cast<int64_t>(strip) * kLanes < a.n) StripFloatX(p, Strip(p, 0, strip), a.m);
+    });
+    return;
+  }
+  if (a.m <= kQuantizeSerial) {
+    for (int64_t r = 0; r < a.m; ++r) kernels.quantize(p, r);
+  } else {
+    parallel(static_cast<size_t>(p.chunks), [&](size_t c) {
+      const int64_t end = std::min(a.m, static_cast<int64_t>(c + 1) * kChunkRows);
+      for (int64_t r = static_cast<int64_t>(c) * kChunkRows; r < end; ++r) kernels.quantize(p, r);
+    });
+  }
+  const int64_t groups = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
+  parallel(static_cast<size_t>(p.chunks * groups), [&](size_t i) {
+    const int64_t chunk = static_cast<int64_t>(i) / groups,
+                  group = static_cast<int64_t>(i) % groups;
+    const int64_t row_end = std::min(a.m, (chunk + 1) * kChunkRows);
+    const int64_t tile_end = std::min(p.tiles, (group + 1) * p.tiles_per_item);
+    for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows) {
+      const int64_t rows = std::min<int64_t>(kernels.rows, row_end - row);
+      const int64_t wide = kernels.strips[rows - 1];  // divides kStrips
+      for (int64_t tile = group * p.tiles_per_item; tile < tile_end; ++tile)
+        for (int64_t strip = tile * kStrips; strip < (tile + 1) * kStrips; strip += wide) {
+          if (strip * kLanes >= a.n) break;
+          kernels.tiles[rows - 1](p, Strip(p, row, strip));
+        }
+    }
+  });
+}
+
+}  // namespace ort_lora

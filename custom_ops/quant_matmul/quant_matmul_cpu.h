@@ -1,0 +1,42 @@
+// The QuantMatMul CPU kernel: y = x @ W^T for a 4-bit block-quantized W [N, K] stored in
+// column tiles for int8 dot products (VNNI), x quantized to int8 per block as it is read.
+// No ONNX Runtime types; the op (quant_matmul_op.h) checks shapes and calls it.
+//
+// Layout of W (quant.py's tile_blocks writes it): N is cut into tiles of 64 columns (the last
+// padded with zero codes and scales), K into blocks of `block_size`. Tile t, block b:
+//   codes   uint8 [tiles, K / block_size, block_size / 8, 256]: chunk j of 256 bytes holds the
+//           codes of k = b * block_size + 8 j + (0..7) for the tile's 64 columns; column c's
+//           bytes 4c..4c+3 hold k + i in the low nibble and k + 4 + i in the high one (so a
+//           64-byte line is one register of 16 columns, and a tile's codes are read in order)
+//   scales  float [tiles, K / block_size, 64]
+//   zeros   uint8 [tiles, K / block_size, 64] or none: 8
+//   offsets float [tiles, K / block_size, 64] or none: 0
+//   W[n, k] = (code - zero) * scale + offset        of n's column and k's block
+// x [M, K] is quantized per block as ONNX Runtime's MatMulNBits does at accuracy_level 4
+// (quant.py's quantize_activations): scale amax / 127, codes rint(x * 127 / amax). The offset
+// multiplies the float block sums of x (unquantized), as the export's reference does. With
+// float_x, x is not quantized (MatMulNBits' accuracy_level 0: a slow path for --verify).
+#pragma once
+
+#include <cstdint>
+
+#include "common/parallel_for.h"
+
+namespace ort_lora {
+
+constexpr int64_t kQuantTile = 64;  // columns per tile
+
+struct QuantMatMulArgs {
+  const float* x;  // [m, k]
+  int64_t m, k, n, block_size;
+  const uint8_t* codes;
+  const float* scales;
+  const uint8_t* zeros;  // nullptr: 8
+  const float* offsets;  // nullptr: none
+  float* y;              // [m, n]
+  bool float_x;          // x as it is, not quantized (accuracy_level 0 / 1: --verify's check)
+};
+
+void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel);
+
+}  // namespace ort_lora

@@ -1,0 +1,211 @@
+"""QuantMatMul (domain ort_lora, CPU): a 4-bit block-quantized weight in column tiles times a
+float input quantized to int8 per block, against numpy on the same numbers (quant.py), and
+against ONNX Runtime's own com.microsoft.MatMulNBits on the same weights; bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import ort_lora
+from ort_lora.export.quant import quantize_activations, quantize_rtn, tile_blocks
+
+INPUTS = ("x", "codes", "scales", "zeros", "offsets")
+# float32 rounding of sums over K of products of the int8 x and the weight, in another order
+RTOL, ATOL = 1e-4, 1e-4
+
+
+@functools.lru_cache(maxsize=64)
+def session(present: tuple[str, ...], **attrs):
+    node_inputs = [name if name in present else "" for name in INPUTS]
+    while node_inputs[-1] == "":
+        node_inputs.pop()
+    dtypes = {"codes": TensorProto.UINT8, "zeros": TensorProto.UINT8}
+    graph_inputs = [
+        helper.make_tensor_value_info(n, dtypes.get(n, TensorProto.FLOAT), None) for n in present
+    ]
+    node = helper.make_node("QuantMatMul", node_inputs, ["y"], domain=ort_lora.OPS_DOMAIN, **attrs)
+    graph = helper.make_graph(
+        [node], "g", graph_inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    opts = ort_lora.session_options(intra_op_num_threads=2)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def weights(rng, n, k, block, zeros=True, offsets=False):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    q = quantize_rtn(w, 4, block, symmetric=not zeros)
+    if offsets:
+        q = dataclasses.replace(q, offsets=rng.standard_normal(q.scales.shape).astype(np.float32))
+    return q
+
+
+def feeds_of(q, x):
+    t = tile_blocks(q)
+    feeds = {"x": x, "codes": t.codes, "scales": t.scales}
+    if t.zeros is not None:
+        feeds["zeros"] = t.zeros
+    if t.offsets is not None:
+        feeds["offsets"] = t.offsets
+    return feeds
+
+
+def run(q, x):
+    n, k = q.shape
+    feeds = feeds_of(q, x)
+    attrs = dict(K=k, N=n, block_size=q.block_size, bits=4)
+    return session(tuple(feeds), **attrs).run(None, feeds)[0]
+
+
+def expected(q, x):
+    """quant.py's semantics: int8 x per block times the dequantized weight without offsets,
+    plus the float block sums of x times the offsets."""
+    base = dataclasses.replace(q, offsets=None).dequantize().astype(np.float64)
+    y = quantize_activations(x, q.block_size).astype(np.float64) @ base.T
+    if q.offsets is not None:
+        sums = x.reshape(*x.shape[:-1], -1, q.block_size).sum(-1).astype(np.float64)
+        y += sums @ q.offsets.T.astype(np.float64)
+    return y
+
+
+SHAPES = [  # (rows, N, K, block): decode and prefill rows, N off the 64-column tiles, blocks
+    (1, 16, 32, 32),
+    (3, 40, 64, 32),
+    (8, 192, 576, 32),
+    (32, 960, 576, 32),
+    (13, 100, 256, 64),
+    (70, 33, 128, 16),
+    (131, 48, 256, 128),
+    (2, 200, 64, 32),  # 4 tiles, the last with one 16-column strip of 8 columns
+]
+
+
+@pytest.mark.parametrize("rows,n,k,block", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["zeros", "symmetric", "offsets"])
+def test_shapes(rows, n, k, block, kind, rng):
+    q = weights(rng, n, k, block, zeros=kind != "symmetric", offsets=kind == "offsets")
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, :block] = 0.0  # a block of zeros: scale 0, codes 0
+    y = run(q, x)
+    assert y.shape == (rows, n)
+    np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
+
+
+def test_leading_dims(rng):
+    q = weights(rng, 24, 64, 32)
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    y = run(q, x)
+    assert y.shape == (2, 5, 24)
+    np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
+
+
+def test_empty_rows(rng):
+    q = weights(rng, 24, 64, 32)
+    assert run(q, np.zeros((0, 64), np.float32)).shape == (0, 24)
+
+
+def test_extreme_codes(rng):
+    """Codes 0 and 15 against x of +-127 after quantization: AVX2's int16 pair sums stay exact."""
+    n, k = 32, 256
+    q = weights(rng, n, k, 32)
+    codes = np.where(rng.random((n, k)) < 0.5, 0, 15).astype(np.uint8)
+    q = dataclasses.replace(q, codes=(codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, 8, 16))
+    x = np.where(rng.random((9, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+    np.testing.assert_allclose(run(q, x), expected(q, x), rtol=RTOL, atol=ATOL)
+
+
+def matmulnbits(q, x):
+    """ONNX Runtime's MatMulNBits at accuracy_level 4 on q (initializers: MLAS quantizes x to
+    int8 only for weights it prepacked)."""
+    n, k = q.shape
+    inits = [numpy_helper.from_array(q.codes, "B"), numpy_helper.from_array(q.scales, "scales")]
+    if q.zeros is not None:
+        inits.append(numpy_helper.from_array(q.packed_zero_points(), "zero_points"))
+    attrs = dict(K=k, N=n, bits=4, block_size=q.block_size, accuracy_level=4)
+    node = helper.make_node("MatMulNBits", ["x", *(i.name for i in inits)], ["y"], **attrs)
+    node.domain = "com.microsoft"
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([node], "g", [x_info], [y_info], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
+def test_matches_matmulnbits(zeros, rng):
+    """The same weights and input through ONNX Runtime's MatMulNBits at accuracy_level 4 (the
+    op QuantMatMul stands in for): equal to float32 rounding, and both away from the float
+    product by the int8 input's rounding."""
+    q = weights(rng, 96, 576, 32, zeros=zeros)
+    x = rng.standard_normal((32, 576)).astype(np.float32)
+    theirs, ours = matmulnbits(q, x), run(q, x)
+    np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=1e-4)
+    unquantized = x @ q.dequantize().T
+    assert np.abs(theirs - unquantized).max() > 1e-3  # MLAS took its int8 path
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_narrower_isa_kernels(isa):
+    """The AVX2 and baseline kernels (forced with ORT_LORA_QUANT_ISA) pass the value tests."""
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    cmd += ["-k", "shapes or leading_dims or extreme_codes or matches"]
+    env = os.environ | {"ORT_LORA_QUANT_ISA": isa}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+# ---- bad input: an error naming it ---------------------------------------------------------
+
+
+def bad_run(feeds, match, **attrs):
+    q_attrs = dict(K=64, N=100, block_size=32, bits=4) | attrs
+    with pytest.raises(Exception, match=match):
+        session(tuple(feeds), **q_attrs).run(None, feeds)
+
+
+def valid(rng):
+    return feeds_of(weights(rng, 100, 64, 32), rng.standard_normal((3, 64)).astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "name,change,match",
+    [
+        ("x", lambda a: a[:, :32], r"input 'x' must have last dim K = 64"),
+        ("codes", lambda a: a[:1], r"input 'codes' must have shape \[2, 2, 4, 256\]"),
+        ("scales", lambda a: a[..., :8], r"input 'scales' must have shape \[2, 2, 64\]"),
+        ("zeros", lambda a: a[:, :1], r"input 'zeros' must have shape \[2, 2, 64\]"),
+        ("offsets", lambda a: a[:, :1], r"input 'offsets' must have shape \[2, 2, 64\]"),
+    ],
+    ids=["x_k", "codes", "scales", "zeros", "offsets"],
+)
+def test_bad_inputs(name, change, match, rng):
+    feeds = valid(rng)
+    feeds["offsets"] = np.zeros_like(feeds["scales"])
+    feeds[name] = np.ascontiguousarray(change(feeds[name]))
+    bad_run(feeds, match)
+
+
+@pytest.mark.parametrize(
+    "attrs,match",
+    [
+        (dict(bits=8), "attribute 'bits' must be 4"),
+        (dict(block_size=24), "attribute 'block_size' must be a power of two >= 16, got 24"),
+        (dict(K=48), r"attribute 'K' \(48\) must be a positive multiple of block_size \(32\)"),
+        (dict(N=0), "attribute 'N' must be positive, got 0"),
+    ],
+    ids=["bits", "block", "K", "N"],
+)
+def test_bad_attributes(attrs, match, rng):
+    bad_run(valid(rng), match, **attrs)
