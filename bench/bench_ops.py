@@ -8,6 +8,10 @@
                   segments composing 2 adapters vs 1 (target: the extra cost is the second
                   adapter's bytes: compare with one adapter of twice the rank, same bytes)
   PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %)
+  QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
+                  Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
+                  MatMul, SmolLM2's projections, 30 layers' weights per run (as a decode step
+                  reads them: past the caches) -> speedup per product
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--out results/bench_ops.json]
 Prints a table and writes JSON (results, command line, machine). Times are medians over
@@ -430,6 +434,77 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
 # ---- driver ------------------------------------------------------------------------------------
 
 
+# ---- QuantMatMul -----------------------------------------------------------------------------
+
+
+def quant_session(kind: str, k: int, n: int, layers: int, rng) -> ort.InferenceSession:
+    """`layers` products of x [rows, k] with distinct random [n, k] weights, one node each:
+    kind "quant" (ort_lora.QuantMatMul), "nbits" (com.microsoft.MatMulNBits, accuracy_level 4;
+    weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32"."""
+    from onnx import numpy_helper
+
+    from ort_lora.export.quant import quantize_rtn, tile_blocks
+
+    nodes, inits = [], []
+    for i in range(layers):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        q = quantize_rtn(w, 4, 32, symmetric=False)
+        if kind == "f32":
+            arrays, op, attrs = {"w": w.T.copy()}, "MatMul", {}
+        elif kind == "nbits":
+            arrays = {"b": q.codes, "s": q.scales, "z": q.packed_zero_points()}
+            op, attrs = "MatMulNBits", dict(bits=4, block_size=32, accuracy_level=4)
+            attrs["domain"] = "com.microsoft"
+        else:
+            t = tile_blocks(q)
+            arrays = {"b": t.codes, "s": t.scales, "z": t.zeros}
+            op, attrs = "QuantMatMul", dict(bits=4, block_size=32, domain=ort_lora.OPS_DOMAIN)
+        names = [f"{name}{i}" for name in arrays]
+        inits += [numpy_helper.from_array(a, nm) for a, nm in zip(arrays.values(), names)]
+        if op != "MatMul":
+            attrs |= dict(K=k, N=n)
+        nodes.append(helper.make_node(op, ["x", *names], [f"y{i}"], **attrs))
+    x = helper.make_tensor_value_info("x", F32, ["rows", k])
+    ys = [helper.make_tensor_value_info(f"y{i}", F32, None) for i in range(layers)]
+    graph = helper.make_graph(nodes, "quant", [x], ys, inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def quant_cases(quick: bool):
+    """(name, rows, k, n): SmolLM2's stacked q/k/v, o, stacked gate/up and down projections;
+    one sequence's decode (1 row), 32 sequences' (32), a prefill chunk (512)."""
+    shapes = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
+    for rows in (1, 32) if quick else (1, 32, 512):
+        for name, k, n in shapes:
+            yield (f"{name} x{rows}", rows, k, n)
+
+
+def bench_quant(name, rows, k, n, layers, reps, seed, clock):
+    rng = np.random.default_rng(seed)
+    x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
+    sessions = [quant_session(kind, k, n, layers, rng) for kind in ("quant", "nbits", "f32")]
+    times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
+    (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times]
+    return {
+        "case": name,
+        "rows": rows,
+        "k": k,
+        "n": n,
+        "layers": layers,
+        "quant_ms": quant * 1e3,
+        "nbits_ms": nbits * 1e3,
+        "f32_ms": f32 * 1e3,
+        "vs_nbits": nbits / quant,
+        "vs_f32": f32 / quant,
+        "quant_gops": 2 * rows * k * n / quant / 1e9,
+        "quant_min_ms": quant_min * 1e3,
+    }
+
+
 def machine_info() -> dict:
     return {
         "cpu": cpu_name(), "threads": THREADS,
@@ -474,7 +549,7 @@ def print_table(title, rows, cols):
         print("  ".join(cell(i, r[c]) for i, c in enumerate(cols)))
 
 
-SECTIONS = ("sgmv", "rows", "mixes", "attention")
+SECTIONS = ("sgmv", "rows", "mixes", "attention", "quant")
 
 
 def main(argv=None) -> int:
@@ -505,7 +580,8 @@ def main(argv=None) -> int:
     cases = list(sgmv_cases(args.quick)) if "sgmv" in only else []
     dtype_cases = list(row_dtype_cases(args.quick)) if "rows" in only else []
     mixes = list(mix_cases(args.quick)) if "mixes" in only else []
-    total = len(cases) + len(dtype_cases) + len(mixes) + 1
+    qcases = list(quant_cases(args.quick)) if "quant" in only else []
+    total = len(cases) + len(dtype_cases) + len(mixes) + len(qcases) + 1
     sgmv = []
     for i, case in enumerate(cases):
         print(f"[{i + 1}/{total}] LoraSGMV {case[0]} ...", flush=True)
@@ -520,6 +596,12 @@ def main(argv=None) -> int:
         done = len(cases) + len(dtype_cases) + i + 1
         print(f"[{done}/{total}] LoraSGMV DoRA / composition {case[0]} ...", flush=True)
         mix_rows.append(bench_sgmv_mixes(*case, reps=reps, seed=70 + i, clock=clock))
+    quant_rows = []
+    for i, case in enumerate(qcases):
+        done = len(cases) + len(dtype_cases) + len(mixes) + i + 1
+        print(f"[{done}/{total}] QuantMatMul / MatMulNBits / MatMul {case[0]} ...", flush=True)
+        layers = 10 if args.quick else 30
+        quant_rows.append(bench_quant(*case, layers=layers, reps=reps, seed=90 + i, clock=clock))
     pa = None
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
@@ -539,6 +621,11 @@ def main(argv=None) -> int:
     title = "LoraSGMV 576->1536 rank 16: DoRA vs plain LoRA, 2 composed adapters vs 1 and vs one"
     title += " of rank 32 (per call; ratios of medians)"
     print_table(title, mix_rows, cols)
+    cols = ["case", "rows", "k", "n", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits", "vs_f32"]
+    cols += ["quant_gops"]
+    title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, 4-bit block 32"
+    title += " (per product, medians of paired runs; vs_* = their time / QuantMatMul's)"
+    print_table(title, quant_rows, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
         cols += ["ratio_min"]
@@ -551,6 +638,7 @@ def main(argv=None) -> int:
         "lora_sgmv": sgmv,
         "lora_sgmv_row_dtypes": row_dtypes,
         "lora_sgmv_dora_composition": mix_rows,
+        "quant_matmul": quant_rows,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ RTOL, ATOL = 1e-4, 1e-4
 
 
 @functools.lru_cache(maxsize=64)
-def session(present: tuple[str, ...], **attrs):
+def session(present: tuple[str, ...], outputs: int = 1, **attrs):
     node_inputs = [name if name in present else "" for name in INPUTS]
     while node_inputs[-1] == "":
         node_inputs.pop()
@@ -32,10 +32,10 @@ def session(present: tuple[str, ...], **attrs):
     graph_inputs = [
         helper.make_tensor_value_info(n, dtypes.get(n, TensorProto.FLOAT), None) for n in present
     ]
-    node = helper.make_node("QuantMatMul", node_inputs, ["y"], domain=ort_lora.OPS_DOMAIN, **attrs)
-    graph = helper.make_graph(
-        [node], "g", graph_inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
-    )
+    ys = ["y", "y1", "y2"][:outputs]
+    node = helper.make_node("QuantMatMul", node_inputs, ys, domain=ort_lora.OPS_DOMAIN, **attrs)
+    infos = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ys]
+    graph = helper.make_graph([node], "g", graph_inputs, infos)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     opts = ort_lora.session_options(intra_op_num_threads=2)
@@ -107,6 +107,22 @@ def test_leading_dims(rng):
     y = run(q, x)
     assert y.shape == (2, 5, 24)
     np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("splits", [[64, 192], [128, 64, 24], [64, 64, 88]])
+def test_splits_cut_y_by_columns(splits, rng):
+    """With splits, output i is y's columns [sum(splits[:i]), sum(splits[:i + 1])): q/k/v's
+    stacked product without a Split."""
+    n, k, rows = sum(splits), 128, 11
+    q = weights(rng, n, k, 32, offsets=True)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    feeds = feeds_of(q, x)
+    attrs = dict(K=k, N=n, block_size=32, splits=tuple(splits))
+    ys = session(tuple(feeds), outputs=len(splits), **attrs).run(None, feeds)
+    starts = np.cumsum([0, *splits])
+    for y, a, b in zip(ys, starts[:-1], starts[1:], strict=True):
+        assert y.shape == (rows, b - a)
+        np.testing.assert_allclose(y, expected(q, x)[:, a:b], rtol=RTOL, atol=ATOL)
 
 
 def test_empty_rows(rng):
@@ -204,8 +220,12 @@ def test_bad_inputs(name, change, match, rng):
         (dict(block_size=24), "attribute 'block_size' must be a power of two >= 16, got 24"),
         (dict(K=48), r"attribute 'K' \(48\) must be a positive multiple of block_size \(32\)"),
         (dict(N=0), "attribute 'N' must be positive, got 0"),
+        (dict(splits=(64, 30)), r"attribute 'splits' \[64, 30\] must sum to N \(100\)"),
+        (dict(splits=(50, 50)), r"all but the last multiples of 64"),
+        (dict(splits=(64, 0, 36)), r"each value must be positive"),
+        (dict(splits=(64, 36)), r"the node has 1 outputs; attribute 'splits' names 2"),
     ],
-    ids=["bits", "block", "K", "N"],
+    ids=["bits", "block", "K", "N", "splits_sum", "splits_tiles", "splits_zero", "outputs"],
 )
 def test_bad_attributes(attrs, match, rng):
     bad_run(valid(rng), match, **attrs)

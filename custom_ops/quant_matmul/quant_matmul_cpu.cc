@@ -135,21 +135,25 @@ struct TileArgs {
   const float* scales;   // the tile's [blocks, 16]
   const uint8_t* zeros;
   const float* offsets;
-  int64_t row, columns;  // first row; valid columns from the tile's first on
-  float* y;              // y[row, tile's first column]
+  int64_t row, columns;  // first row; columns of its output from the strip's first on
+  float* y;              // the output at [row, the strip's first column]
+  int64_t ldy;           // the output's row stride
 };
 
 TileArgs Strip(const Problem& p, int64_t row, int64_t strip) {
   const QuantMatMulArgs& a = *p.a;
-  const int64_t tile = strip / kStrips, column = strip * kLanes;
+  const int64_t tile = strip / kStrips;
+  int64_t column = strip * kLanes, o = 0;
+  for (; o + 1 < a.outputs && column >= a.columns[o]; ++o) column -= a.columns[o];
   const int64_t at = tile * p.blocks * kQuantTile + strip % kStrips * kLanes;
   return {a.codes + tile * p.blocks * a.block_size / 8 * kChunkBytes + strip % kStrips * 64,
           a.scales + at,
           a.zeros ? a.zeros + at : nullptr,
           a.offsets ? a.offsets + at : nullptr,
           row,
-          a.n - column,
-          a.y + row * a.n + column};
+          a.columns[o] - column,
+          a.y[o] + row * a.columns[o] + column,
+          a.columns[o]};
 }
 
 template <int MR>
@@ -176,7 +180,7 @@ void TileBase(const Problem& p, const TileArgs& t) {
         acc += -(s * zero) * p.xqsum[xt];
         if (t.offsets) acc += t.offsets[at] * p.xsum[xt];
       }
-      t.y[r * a.n + c] = acc;
+      t.y[r * t.ldy + c] = acc;
     }
   }
 }
@@ -186,7 +190,7 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
   const QuantMatMulArgs& a = *p.a;
   const int64_t bs = a.block_size, columns = std::min(kLanes, t.columns);
   std::vector<float> w(bs);
-  for (int64_t r = 0; r < rows; ++r) std::fill(t.y + r * a.n, t.y + r * a.n + columns, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) std::fill(t.y + r * t.ldy, t.y + r * t.ldy + columns, 0.0f);
   for (int64_t b = 0; b < p.blocks; ++b)
     for (int64_t c = 0; c < columns; ++c) {
       const int64_t at = b * kQuantTile + c;
@@ -202,7 +206,7 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
         const float* x = a.x + (t.row + r) * a.k + b * bs;
         float acc = 0.0f;
         for (int64_t i = 0; i < bs; ++i) acc += x[i] * w[i];
-        t.y[r * a.n + c] += acc;
+        t.y[r * t.ldy + c] += acc;
       }
     }
 }
@@ -266,7 +270,8 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
   for (int c = 0; c < NT; ++c) {
     const int64_t columns = std::clamp<int64_t>(t.columns - c * kLanes, 0, kLanes);
     const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(t.y + r * a.n + c * kLanes, mask, acc[r][c]);
+    for (int r = 0; r < MR; ++r)
+      _mm512_mask_storeu_ps(t.y + r * t.ldy + c * kLanes, mask, acc[r][c]);
   }
 }
 
@@ -325,7 +330,7 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2(const Problem& p, const 
       }
     }
     for (int r = 0; r < MR; ++r) {
-      float* out = t.y + r * a.n + 8 * half;
+      float* out = t.y + r * t.ldy + 8 * half;
       if (columns == 8) {
         _mm256_storeu_ps(out, acc[r]);
       } else {

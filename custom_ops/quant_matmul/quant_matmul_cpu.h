@@ -25,6 +25,7 @@
 namespace ort_lora {
 
 constexpr int64_t kQuantTile = 64;  // columns per tile
+constexpr int kMaxOutputs = 3;      // y cut by columns into up to 3 outputs (q/k/v)
 
 struct QuantMatMulArgs {
   const float* x;  // [m, k]
@@ -33,8 +34,12 @@ struct QuantMatMulArgs {
   const float* scales;
   const uint8_t* zeros;  // nullptr: 8
   const float* offsets;  // nullptr: none
-  float* y;              // [m, n]
   bool float_x;          // x as it is, not quantized (accuracy_level 0 / 1: --verify's check)
+  // y [m, n] cut by columns: output o is y[o] [m, columns[o]] (multiples of kQuantTile but
+  // the last), `outputs` of them
+  float* y[kMaxOutputs];
+  int64_t columns[kMaxOutputs];
+  int outputs;
 };
 
 void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel);

@@ -12,14 +12,22 @@ constexpr auto kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto kU8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 enum Input { kX, kCodes, kScales, kZeros, kOffsets, kNumInputs };
 
-// y's shape: x's with the last dim N (known dims only; otherwise y stays unknown).
+// The outputs' shapes: x's with the last dim N, or each of splits (known dims only; otherwise
+// they stay unknown).
 OrtStatusPtr InferShape(const OrtCustomOp*, OrtShapeInferContext* c) {
   try {
     Ort::ShapeInferContext ctx(&Ort::GetApi(), c);
     InferredShape shape = ctx.GetInputShape(kX);
     if (!FullyKnown(shape)) return nullptr;
-    shape.back() = Ort::ShapeInferContext::SymbolicInteger(ctx.GetAttrInt("N"));
-    SetInferredShape(c, 0, shape, kF32);
+    std::vector<int64_t> columns{ctx.GetAttrInt("N")};
+    try {
+      columns = ctx.GetAttrInts("splits");
+    } catch (const std::exception&) {
+    }
+    for (size_t o = 0; o < columns.size(); ++o) {
+      shape.back() = Ort::ShapeInferContext::SymbolicInteger(columns[o]);
+      SetInferredShape(c, o, shape, kF32);
+    }
   } catch (const std::exception&) {
   }
   return nullptr;
@@ -52,6 +60,21 @@ QuantMatMulKernel::QuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
   if (k_ <= 0 || k_ % block_size_)
     Fail("attribute 'K' (", k_, ") must be a positive multiple of block_size (", block_size_, ")");
   if (n_ <= 0) Fail("attribute 'N' must be positive, got ", n_);
+  try {
+    splits_ = ki.GetAttributes<int64_t>("splits");
+  } catch (const Ort::Exception&) {
+    splits_ = {n_};
+  }
+  if (splits_.empty() || splits_.size() > kMaxOutputs)
+    Fail("attribute 'splits' must have 1 to ", kMaxOutputs, " values, got ", splits_.size());
+  int64_t sum = 0;
+  for (size_t o = 0; o < splits_.size(); ++o) {
+    if (splits_[o] <= 0 || (o + 1 < splits_.size() && splits_[o] % kQuantTile))
+      Fail("attribute 'splits' ", ShapeStr(splits_), ": each value must be positive, all but the ",
+           "last multiples of ", kQuantTile, " (the weight's column tiles)");
+    sum += splits_[o];
+  }
+  if (sum != n_) Fail("attribute 'splits' ", ShapeStr(splits_), " must sum to N (", n_, ")");
 }
 
 OrtStatusPtr QuantMatMulKernel::ComputeV2(OrtKernelContext* context) {
@@ -73,22 +96,28 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   if (in[kZeros].present) ExpectTiled(in[kZeros], "zeros", kU8, {tiles, blocks, kQuantTile});
   if (in[kOffsets].present) ExpectTiled(in[kOffsets], "offsets", kF32, {tiles, blocks, kQuantTile});
 
-  std::vector<int64_t> y_shape = x.shape;
-  y_shape.back() = n_;
-  auto y = ctx.GetOutput(0, y_shape);
+  if (ctx.GetOutputCount() != splits_.size())
+    Fail("the node has ", ctx.GetOutputCount(), " outputs; attribute 'splits' names ",
+         splits_.size());
   int64_t m = 1;
   for (size_t i = 0; i + 1 < x.shape.size(); ++i) m *= x.shape[i];
-  QuantMatMulArgs a{x.value.GetTensorData<float>(),
-                    m,
-                    k_,
-                    n_,
-                    block_size_,
-                    in[kCodes].value.GetTensorData<uint8_t>(),
-                    in[kScales].value.GetTensorData<float>(),
-                    in[kZeros].present ? in[kZeros].value.GetTensorData<uint8_t>() : nullptr,
-                    in[kOffsets].present ? in[kOffsets].value.GetTensorData<float>() : nullptr,
-                    y.GetTensorMutableData<float>(),
-                    float_x_};
+  QuantMatMulArgs a{};
+  a.x = x.value.GetTensorData<float>();
+  a.m = m;
+  a.k = k_;
+  a.n = n_;
+  a.block_size = block_size_;
+  a.codes = in[kCodes].value.GetTensorData<uint8_t>();
+  a.scales = in[kScales].value.GetTensorData<float>();
+  a.zeros = in[kZeros].present ? in[kZeros].value.GetTensorData<uint8_t>() : nullptr;
+  a.offsets = in[kOffsets].present ? in[kOffsets].value.GetTensorData<float>() : nullptr;
+  a.float_x = float_x_;
+  a.outputs = static_cast<int>(splits_.size());
+  std::vector<int64_t> y_shape = x.shape;
+  for (int o = 0; o < a.outputs; ++o) {
+    y_shape.back() = a.columns[o] = splits_[o];
+    a.y[o] = ctx.GetOutput(o, y_shape).GetTensorMutableData<float>();
+  }
   QuantMatMulCpu(a, OrtParallelFor(ctx));
 }
 

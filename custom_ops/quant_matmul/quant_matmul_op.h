@@ -9,14 +9,20 @@
 //    3 zeros      uint8 [ceil(N / 64), K / block_size, 64]  optional (absent: 8)
 //    4 offsets    float [ceil(N / 64), K / block_size, 64]  optional (absent: 0)
 // Outputs
-//    0 y          float [..., N]
+//    0 y          float [..., N], or with splits its first splits[0] columns
+//    1, 2         float [..., splits[1]], [..., splits[2]]: the next columns (with splits)
 // Attributes: K, N, block_size (a power of two >= 16), bits (4, the only value),
 //             accuracy_level (4, the default: x quantized to int8 per block; 0 or 1: x as it
-//             is, float products: a slow path, for --verify).
+//             is, float products: a slow path, for --verify), splits (optional, 1 to 3
+//             values summing to N, all but the last multiples of 64: y cut by columns into
+//             that many outputs, as a Split after it would, without the copy).
 // Semantics: ort_lora/export/quant.py (tile_blocks, quantize_activations, dequantize).
 #pragma once
 
+#include <vector>
+
 #include "common/ort_common.h"
+#include "quant_matmul/quant_matmul_cpu.h"
 
 namespace ort_lora {
 
@@ -30,6 +36,7 @@ struct QuantMatMulKernel {
   int64_t n_;
   int64_t block_size_;
   bool float_x_;
+  std::vector<int64_t> splits_;  // the outputs' columns
 };
 
 struct QuantMatMulOp : Ort::CustomOpBase<QuantMatMulOp, QuantMatMulKernel, true> {
@@ -42,7 +49,10 @@ struct QuantMatMulOp : Ort::CustomOpBase<QuantMatMulOp, QuantMatMulKernel, true>
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index <= 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return kMaxOutputs; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
   ONNXTensorElementDataType GetOutputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }

@@ -13,7 +13,8 @@ external data file) and finds, for each LoraSGMV node, the node producing its in
                                         absent: 2^(bits - 1)), dequantized row by row
   ort_lora.QuantMatMul(x, tiles, tile_scales[, tile_zeros][, tile_offsets])
                                         4-bit blocks in 64-column tiles (export/quant.py's
-                                        tile_blocks), read a tile at a time
+                                        tile_blocks), read a tile at a time; output i of
+                                        one with splits: rows from sum(splits[:i]) on
   Add(MatMulNBits(...), MatMul(block sums of x, offsets^T))
                                         the same plus each block's float offset (GGUF Q4_1
                                         mapped exactly, export/quant_graph.py)
@@ -202,7 +203,10 @@ class _GraphIndex:
         if node.op_type == "MatMulNBits" and node.domain == MSFT:
             return self._nbits(node)
         if node.op_type == "QuantMatMul" and node.domain == OPS_DOMAIN:
-            return self._tiled(node)
+            tiled = self._tiled(node)
+            splits = next((list(a.ints) for a in node.attribute if a.name == "splits"), [])
+            out = list(node.output).index(y)
+            return tiled if isinstance(tiled, str) or not out else _Rows(tiled, sum(splits[:out]))
         if node.op_type == "Add" and node.domain in ("", "ai.onnx"):
             return self._with_offsets(node)
         if node.op_type == "Split" and node.domain in ("", "ai.onnx"):

@@ -7,6 +7,7 @@
                (4-bit weights at accuracy_level 4, linear_op "QuantMatMul": quant.tile_blocks)
 
     x [T, K] ─ (either, W = q/k/v or gate/up stacked by rows) ─ Split ─ y_q, y_k, y_v
+    x [T, K] ─ QuantMatMul(stacked, splits = rows) ─ y_q, y_k, y_v   (parts of 64k rows: no Split)
 
     input_ids [T] ─ GatherBlockQuantized(B as [V, H * bits / 8], scales) ─ [T, H]
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from ort_lora.contract import OPS_DOMAIN
 from ort_lora.export.graph import GraphBuilder
-from ort_lora.export.quant import BlockQuantized, tile_blocks
+from ort_lora.export.quant import TILE, BlockQuantized, tile_blocks
 
 MSFT = "com.microsoft"
 QUANT = "/quant/"
@@ -47,7 +48,7 @@ class QuantGraph:
         """y = x @ W^T for W = q (checkpoint tensor `weight`).  x: [T, K] -> [T, N]."""
         n, k = q.shape
         if q.bits == 4 and self.linear_op == "QuantMatMul":
-            return self._quant_matmul(x, q, weight, name)
+            return self._quant_matmul(x, q, weight, name, [n])[0]
         inputs = [x, self._init(f"{weight}{QUANT}B", q.codes, "uint8")]
         inputs.append(self._init(f"{weight}{QUANT}scales", q.scales, "float32"))
         zero_points = q.packed_zero_points()
@@ -72,8 +73,11 @@ class QuantGraph:
         (extra,) = self.g.node("MatMul", [sums, w], f"{name}/offsets/MatMul")  # [T, N]
         return self.g.node("Add", [y, extra], f"{name}/offsets/Add")[0]
 
-    def _quant_matmul(self, x: str, q: BlockQuantized, weight: str, name: str) -> str:
-        """ort_lora.QuantMatMul over q in its tiles (quant.tile_blocks); offsets inside."""
+    def _quant_matmul(
+        self, x: str, q: BlockQuantized, weight: str, name: str, splits: list[int]
+    ) -> list[str]:
+        """ort_lora.QuantMatMul over q in its tiles (quant.tile_blocks), offsets inside, its
+        output cut by columns into `splits` (all but the last multiples of quant.TILE)."""
         t = tile_blocks(q)
         inputs = [x, self._init(f"{weight}{QUANT}tiles", t.codes, "uint8")]
         inputs.append(self._init(f"{weight}{QUANT}tile_scales", t.scales, "float32"))
@@ -85,8 +89,12 @@ class QuantGraph:
             inputs.pop()
         n, k = q.shape
         attrs = dict(K=k, N=n, bits=4, block_size=q.block_size)
-        (y,) = self.g.node("QuantMatMul", inputs, f"{name}/QuantMatMul", domain=OPS_DOMAIN, **attrs)
-        return y
+        if len(splits) > 1:
+            attrs["splits"] = splits
+        node = f"{name}/QuantMatMul"
+        return self.g.node(
+            "QuantMatMul", inputs, node, domain=OPS_DOMAIN, n_out=len(splits), **attrs
+        )
 
     def stacked_matmul(
         self, x: str, q: BlockQuantized, weights: list[str], rows: list[int], name: str
@@ -94,6 +102,8 @@ class QuantGraph:
         """[x @ W_i^T for each part i] for W = q, the parts' rows (`rows` each) stacked;
         `weights` the parts' checkpoint tensors.  x: [T, K] -> [T, rows[i]] each."""
         weight = stacked_name(weights)
+        if q.bits == 4 and self.linear_op == "QuantMatMul" and not any(r % TILE for r in rows[:-1]):
+            return self._quant_matmul(x, q, weight, name, rows)  # its outputs, no Split
         y = self.matmul(x, q, weight, name)  # [T, sum(rows)]
         sizes = self._init(f"{weight}{QUANT}rows", np.array(rows, np.int64), "int64")
         return self.g.node("Split", [y, sizes], f"{name}/Split", n_out=len(rows), axis=1)

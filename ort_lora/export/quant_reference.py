@@ -47,7 +47,8 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
         if node.op_type == "QuantMatMul":  # ort_lora's 4-bit op: tiles (quant.tile_blocks)
             fields = ("tiles", "tile_scales", "tile_zeros", "tile_offsets")
             tiled = TiledBlocks(*(array(f"{weight}{QUANT}{f}") for f in fields))
-            out.update(_parts(weight, untile_blocks(tiled, attrs["N"]), array))
+            splits = next((list(a.ints) for a in node.attribute if a.name == "splits"), None)
+            out.update(_parts(weight, untile_blocks(tiled, attrs["N"]), array, splits))
             continue
         scales = array(f"{weight}{QUANT}scales")
         zeros = array(f"{weight}{QUANT}zero_points")
@@ -65,12 +66,13 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
     return out
 
 
-def _parts(weight: str, blocks: BlockQuantized, array) -> dict[str, BlockQuantized]:
-    """{weight: blocks}, or each part's rows of a stacked weight."""
+def _parts(weight: str, blocks: BlockQuantized, array, rows=None) -> dict[str, BlockQuantized]:
+    """{weight: blocks}, or each part's rows of a stacked weight (`rows`: the node's own split
+    sizes; else those of the Split after it)."""
     parts = stacked_parts(weight)
     if len(parts) == 1:
         return {weight: blocks}
-    starts = np.cumsum([0, *array(f"{weight}{QUANT}rows")])
+    starts = np.cumsum([0, *(rows or array(f"{weight}{QUANT}rows"))])
     return {p: blocks.rows(slice(a, b)) for p, a, b in zip(parts, starts, starts[1:])}
 
 
