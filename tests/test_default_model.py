@@ -10,9 +10,9 @@ from ort_lora.contract import MANIFEST_NAME
 from ort_lora.server import default_model
 
 
-def _manifest(weights: str) -> dict:
+def _manifest(weights: str, linear_op: str = default_model.INT4_LINEAR_OP) -> dict:
     if weights in ("int4", "int8"):
-        return {"dtype": "float32", "quantization": {"weights": weights}}
+        return {"dtype": "float32", "quantization": {"weights": weights, "linear_op": linear_op}}
     return {"dtype": weights, "quantization": {}}
 
 
@@ -43,6 +43,22 @@ def test_a_cache_entry_with_other_weights_is_exported_again(tmp_path, monkeypatc
     assert calls == [default_model.export_options("cpu")]
     written = json.loads((target / MANIFEST_NAME).read_text())
     assert written == _manifest(default_model.CPU_WEIGHTS)
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
+
+
+def test_an_int4_entry_of_matmulnbits_is_exported_again(tmp_path, monkeypatch):
+    """An int4 entry exported before QuantMatMul (its linears on MatMulNBits: no linear_op in
+    its manifest) is exported again when int4 is the default; one with it is reused."""
+    monkeypatch.setattr(default_model, "CPU_WEIGHTS", "int4")
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
+    target = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    old = {"dtype": "float32", "quantization": {"weights": "int4"}}
+    (target / MANIFEST_NAME).write_text(json.dumps(old))
+    calls = []
+    _fake_export(monkeypatch, calls)
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
+    assert json.loads((target / MANIFEST_NAME).read_text()) == _manifest("int4")
     assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
 
 

