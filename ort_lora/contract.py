@@ -70,6 +70,9 @@ modules' y (export/quant_graph.py). The graph's inputs and outputs,
 the pool and LoraSGMV are unchanged: LoraSGMV reads the float input x and adds its float32
 delta to the quantized projection's output. The entry records:
   weights, bits, block_size, accuracy_level, op, linear_op     what the graph runs
+  quant_method            "rtn" or "hqq": how linear weights not carried over from a GGUF
+                          are made (hqq: int4 only, float zero points as integer ones plus
+                          a per-block offset, quant.quantize_hqq)
   linear                  how round-to-nearest quantizes linear weights (int4: asymmetric
                           with zero points; int8: symmetric)
   embedding_and_head_bits 8 (symmetric)

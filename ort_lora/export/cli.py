@@ -78,7 +78,9 @@ def parser() -> argparse.ArgumentParser:
         help="rare options: max_position_embeddings=N, verify_tol=X, verify_steps=N, "
         "verify_prompts=N; with --weights int4/int8: accuracy_level=0|1|4 (MatMulNBits, "
         "default 4: int8 activations), gguf_q4_1=offset|zero_point, "
-        "int4_op=QuantMatMul|MatMulNBits (4-bit linears: ort_lora's kernel, the default, or ORT's)",
+        "int4_op=QuantMatMul|MatMulNBits (4-bit linears: ort_lora's kernel, the default, or "
+        "ORT's), "
+        "quant_method=rtn|hqq (int4: round-to-nearest, or refined HQQ-style)",
     )
     return p
 

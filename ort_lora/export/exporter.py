@@ -29,8 +29,9 @@ EXTRA_KEYS = {
     "accuracy_level": int,
     "gguf_q4_1": str,
     "int4_op": str,
+    "quant_method": str,
 }
-QUANT_EXTRAS = ("accuracy_level", "gguf_q4_1", "int4_op")
+QUANT_EXTRAS = ("accuracy_level", "gguf_q4_1", "int4_op", "quant_method")
 
 
 def export_model(
@@ -62,7 +63,8 @@ def export_model(
     extra: rare options, e.g. {"max_position_embeddings": 8192} caps the rotary cache rows;
         quantized exports: accuracy_level (MatMulNBits, default 4), gguf_q4_1 (offset |
         zero_point), int4_op (QuantMatMul, ort_lora's int8-activation kernel for 4-bit
-        linears, the default | MatMulNBits, ONNX Runtime's).
+        linears, the default | MatMulNBits, ONNX Runtime's), quant_method (rtn | hqq: 4-bit
+        weights not carried over from a GGUF refined HQQ-style, quant.quantize_hqq).
     Raises ExportError with a message for users on any bad input.
     """
     targets = _check_targets(lora_targets)

@@ -20,12 +20,20 @@ import numpy as np
 
 from ort_lora.export.errors import ExportError
 from ort_lora.export.gguf_blocks import GGUF_BLOCK, Q4_1_MODES, map_blocks
-from ort_lora.export.quant import BlockQuantized, check_block_size, check_divides, quantize_rtn
+from ort_lora.export.quant import (
+    BlockQuantized,
+    check_block_size,
+    check_divides,
+    quantize_hqq,
+    quantize_rtn,
+)
 
 WEIGHTS = {"int4": 4, "int8": 8}
 ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits on CPU: 0/1 float32 compute, 4 int8 activations
 # what multiplies 4-bit linear weights at accuracy_level 4: our VNNI kernel or ORT's MLAS one
 INT4_OPS = ("QuantMatMul", "MatMulNBits")
+# how 4-bit linear weights that are not carried over are made: round-to-nearest, or refined
+QUANT_METHODS = ("rtn", "hqq")
 HEAD_BITS = 8
 # a carried-over tensor that should be exact may differ from the checkpoint by float32
 # rounding of d * q + m (relative to the tensor's largest value), never more
@@ -44,6 +52,7 @@ class QuantConfig:
     accuracy_level: int = 4
     gguf_q4_1: str = "offset"  # how GGUF Q4_1 blocks map: "offset" (exact) | "zero_point"
     int4_op: str = "QuantMatMul"  # 4-bit linears at accuracy_level 4: ort_lora's op or ORT's
+    quant_method: str = "rtn"  # 4-bit linears not carried over: "rtn" | "hqq" (quant.py)
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -57,6 +66,12 @@ class QuantConfig:
             raise ExportError(f"gguf_q4_1 {self.gguf_q4_1!r}: expected one of {Q4_1_MODES}")
         if self.int4_op not in INT4_OPS:
             raise ExportError(f"int4_op {self.int4_op!r}: expected one of {INT4_OPS}")
+        if self.quant_method not in QUANT_METHODS:
+            raise ExportError(
+                f"quant_method {self.quant_method!r}: expected one of {QUANT_METHODS}"
+            )
+        if self.quant_method == "hqq" and self.weights != "int4":
+            raise ExportError("quant_method hqq refines 4-bit weights: use it with --weights int4")
 
     @property
     def linear_op(self) -> str:
@@ -101,8 +116,12 @@ class Quantizer:
         if mapped is not None:
             self._record(mapped, w, exact="zero point" not in mapped.method)
             return mapped
-        q = quantize_rtn(w, bits, self.config.block_size, symmetric)
-        q = q if self.gguf is None else _renamed(q, f"rtn from gguf {self.gguf.ggml_type(name)}")
+        if self.config.quant_method == "hqq" and bits == 4 and not symmetric:
+            q = quantize_hqq(w, self.config.block_size)
+        else:
+            q = quantize_rtn(w, bits, self.config.block_size, symmetric)
+        if self.gguf is not None:
+            q = _renamed(q, f"{q.method} from gguf {self.gguf.ggml_type(name)}")
         self._record(q, w, exact=False)
         return q
 
@@ -140,6 +159,7 @@ class Quantizer:
             "block_size": c.block_size,
             "accuracy_level": c.accuracy_level,
             "linear": "int8 symmetric" if c.bits == 8 else "int4 asymmetric (zero points)",
+            "quant_method": c.quant_method,
             "embedding_and_head_bits": HEAD_BITS,
             "gguf_q4_1": c.gguf_q4_1,
             "tensors_by_method": dict(self._methods),
