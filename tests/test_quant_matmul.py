@@ -101,6 +101,19 @@ def test_shapes(rows, n, k, block, kind, rng):
     np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("kind", ["zeros", "offsets"])
+def test_float_inputs_at_accuracy_level_0(kind, rng):
+    """accuracy_level 0 (--verify's check): x as it is, times the dequantized weight."""
+    q = weights(rng, 100, 128, 32, offsets=kind == "offsets")
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    feeds = feeds_of(q, x)
+    attrs = dict(K=128, N=100, block_size=32, accuracy_level=0)
+    y = session(tuple(feeds), **attrs).run(None, feeds)[0]
+    want = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
+    assert np.abs(run(q, x) - want).max() > 1e-3  # level 4 rounds x to int8: not the same
+
+
 def test_leading_dims(rng):
     q = weights(rng, 24, 64, 32)
     x = rng.standard_normal((2, 5, 64)).astype(np.float32)
@@ -220,12 +233,13 @@ def test_bad_inputs(name, change, match, rng):
         (dict(block_size=24), "attribute 'block_size' must be a power of two >= 16, got 24"),
         (dict(K=48), r"attribute 'K' \(48\) must be a positive multiple of block_size \(32\)"),
         (dict(N=0), "attribute 'N' must be positive, got 0"),
+        (dict(accuracy_level=2), "attribute 'accuracy_level' must be 4 .* or 0 / 1"),
         (dict(splits=(64, 30)), r"attribute 'splits' \[64, 30\] must sum to N \(100\)"),
         (dict(splits=(50, 50)), r"all but the last multiples of 64"),
         (dict(splits=(64, 0, 36)), r"each value must be positive"),
         (dict(splits=(64, 36)), r"the node has 1 outputs; attribute 'splits' names 2"),
     ],
-    ids=["bits", "block", "K", "N", "splits_sum", "splits_tiles", "splits_zero", "outputs"],
+    ids=["bits", "block", "K", "N", "level", "splits", "splits_tiles", "splits_zero", "outputs"],
 )
 def test_bad_attributes(attrs, match, rng):
     bad_run(valid(rng), match, **attrs)

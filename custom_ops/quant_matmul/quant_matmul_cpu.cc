@@ -132,7 +132,7 @@ __attribute__((target("arch=x86-64-v3"))) void QuantizeRowAvx2(const Problem& p,
 
 struct TileArgs {
   const uint8_t* codes;  // the tile's codes, block 0
-  const float* scales;   // the tile's [blocks, 16]
+  const float* scales;   // the strip's, block 0 (a block's 64 columns later: the next)
   const uint8_t* zeros;
   const float* offsets;
   int64_t row, columns;  // first row; columns of its output from the strip's first on
@@ -212,7 +212,7 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
 }
 
 #ifdef ORT_LORA_QUANT_X86
-// MR rows x NT adjacent tiles: MR * NT independent chains of dot products (one row alone
+// MR rows x NT adjacent strips: MR * NT independent chains of dot products (one row alone
 // would wait on each dpbusd's latency).
 template <int MR, int NT>
 __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
