@@ -2,7 +2,7 @@
 // column tiles for int8 dot products (VNNI), x quantized to int8 per block as it is read.
 // No ONNX Runtime types; the op (quant_matmul_op.h) checks shapes and calls it.
 //
-// Layout of W (quant.py's tile_blocks writes it): N is cut into tiles of 64 columns (the last
+// Layout of W (ort_lora/quant_tiles.py writes it): N is cut into tiles of 64 columns (the last
 // padded with zero codes and scales), K into blocks of `block_size`. Tile t, block b:
 //   codes   uint8 [tiles, K / block_size, block_size / 8, 256]: chunk j of 256 bytes holds the
 //           codes of k = b * block_size + 8 j + (0..7) for the tile's 64 columns; column c's

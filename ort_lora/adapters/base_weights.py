@@ -12,8 +12,8 @@ external data file) and finds, for each LoraSGMV node, the node producing its in
                                         (4 or 8 bits; zero points packed uint8, float, or
                                         absent: 2^(bits - 1)), dequantized row by row
   ort_lora.QuantMatMul(x, tiles, tile_scales[, tile_zeros][, tile_offsets])
-                                        4-bit blocks in 64-column tiles (export/quant.py's
-                                        tile_blocks), read a tile at a time; output i of
+                                        4-bit blocks in 64-column tiles
+                                        (quant_tiles.py), read a tile at a time; output i of
                                         one with splits: rows from sum(splits[:i]) on
   Add(MatMulNBits(...), MatMul(block sums of x, offsets^T))
                                         the same plus each block's float offset (GGUF Q4_1
@@ -39,7 +39,7 @@ import numpy as np
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.bfloat16 import bfloat16_bits_to_float32
 from ort_lora.contract import MODEL_NAME, OPS_DOMAIN
-from ort_lora.export.quant import TILE, TiledBlocks, untile_blocks
+from ort_lora.quant_tiles import TILE, TiledBlocks, dequantize
 
 MSFT = "com.microsoft"
 # ONNX TensorProto element type -> numpy dtype of the stored bytes (bfloat16: uint16 bits)
@@ -121,9 +121,9 @@ class _Tiled:
         t = self.tiled
         arrays = (t.codes, t.scales, t.zeros, t.offsets)
         picked = [None if a is None else np.asarray(a[first:last]) for a in arrays]
-        blocks = untile_blocks(TiledBlocks(*picked), min(self.n, last * TILE) - first * TILE)
+        w = dequantize(TiledBlocks(*picked), min(self.n, last * TILE) - first * TILE)
         lo = start - first * TILE
-        return blocks.rows(slice(lo, lo + stop - start)).dequantize().astype(np.float64)
+        return w[lo : lo + stop - start]
 
 
 @dataclass

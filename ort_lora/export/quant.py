@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ort_lora import quant_tiles
 from ort_lora.export.errors import ExportError
+from ort_lora.quant_tiles import TiledBlocks
 
 BITS = (4, 8)
 # MatMulNBits needs a power of two >= 16 (ORT checks it when it builds the kernel)
@@ -118,69 +120,23 @@ class BlockQuantized:
         return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
 
 
-# Columns per tile of ort_lora.QuantMatMul's weight layout (custom_ops/quant_matmul/)
-TILE = 64
-
-
-@dataclass(frozen=True)
-class TiledBlocks:
-    """A 4-bit BlockQuantized in ort_lora.QuantMatMul's layout (quant_matmul_cpu.h): N cut
-    into tiles of 64 columns (the last padded with zero codes and scales), K into blocks;
-    chunk j of a tile's block holds k = 8 j + i (i < 4) in the low nibbles and k = 8 j + 4 + i
-    in the high ones, 4 bytes per column."""
-
-    codes: np.ndarray  # uint8 [tiles, K / block, block / 8, 256]
-    scales: np.ndarray  # float32 [tiles, K / block, 64]
-    zeros: np.ndarray | None  # uint8 [tiles, K / block, 64]; None: 8
-    offsets: np.ndarray | None  # float32 [tiles, K / block, 64]; None: 0
-
-
 def tile_blocks(q: BlockQuantized) -> TiledBlocks:
-    """q (4 bits) in QuantMatMul's layout."""
+    """q (4 bits) in ort_lora.QuantMatMul's layout (ort_lora/quant_tiles.py)."""
     assert q.bits == 4, "QuantMatMul multiplies 4-bit weights"
-    n, k = q.shape
-    tiles, blocks = -(-n // TILE), k // q.block_size
-    codes = np.zeros((tiles * TILE, k), np.uint8)
-    codes[:n] = unpack_codes(q.codes, 4).reshape(n, k)
-    # [tiles, column, block, chunk, low/high, i] -> bytes [tiles, block, chunk, column, i]
-    codes = codes.reshape(tiles, TILE, blocks, q.block_size // 8, 2, 4)
-    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)
-
-    def per_column(a, dtype):
-        if a is None:
-            return None
-        out = np.zeros((tiles * TILE, blocks), dtype)
-        out[:n] = a
-        return np.ascontiguousarray(out.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
-
-    return TiledBlocks(
-        codes=np.ascontiguousarray(packed.reshape(tiles, blocks, q.block_size // 8, 4 * TILE)),
-        scales=per_column(q.scales, np.float32),
-        zeros=per_column(q.zeros, np.uint8),
-        offsets=per_column(q.offsets, np.float32),
-    )
+    codes = unpack_codes(q.codes, 4).reshape(q.shape)
+    return quant_tiles.tile(codes, q.scales, q.zeros, q.offsets, q.block_size)
 
 
 def untile_blocks(t: TiledBlocks, n: int, method: str = "exported") -> BlockQuantized:
     """tile_blocks' inverse: the first n columns of t as 4-bit BlockQuantized."""
-    tiles, blocks, chunks, _ = t.codes.shape
-    block_size = 8 * chunks
-    b = t.codes.reshape(tiles, blocks, chunks, TILE, 4).transpose(0, 3, 1, 2, 4)
-    codes = np.stack([b & 0x0F, b >> 4], axis=-2)  # [tiles, column, block, chunk, 2, 4]
-    codes = codes.reshape(tiles * TILE, blocks * block_size)[:n]
-
-    def per_row(a):
-        if a is None:
-            return None
-        return np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, blocks)[:n])
-
+    codes, scales, zeros, offsets, block = quant_tiles.untile(t, n)
     return BlockQuantized(
         bits=4,
-        block_size=block_size,
-        codes=pack_codes(codes, 4, block_size),
-        scales=per_row(t.scales),
-        zeros=per_row(t.zeros),
-        offsets=per_row(t.offsets),
+        block_size=block,
+        codes=pack_codes(codes, 4, block),
+        scales=scales,
+        zeros=zeros,
+        offsets=offsets,
         method=method,
     )
 

@@ -30,7 +30,8 @@ import numpy as np
 
 from ort_lora.contract import OPS_DOMAIN
 from ort_lora.export.graph import GraphBuilder
-from ort_lora.export.quant import TILE, BlockQuantized, tile_blocks
+from ort_lora.export.quant import BlockQuantized, tile_blocks
+from ort_lora.quant_tiles import TILE
 
 MSFT = "com.microsoft"
 QUANT = "/quant/"
@@ -77,7 +78,7 @@ class QuantGraph:
         self, x: str, q: BlockQuantized, weight: str, name: str, splits: list[int]
     ) -> list[str]:
         """ort_lora.QuantMatMul over q in its tiles (quant.tile_blocks), offsets inside, its
-        output cut by columns into `splits` (all but the last multiples of quant.TILE)."""
+        output cut by columns into `splits` (all but the last multiples of quant_tiles.TILE)."""
         t = tile_blocks(q)
         inputs = [x, self._init(f"{weight}{QUANT}tiles", t.codes, "uint8")]
         inputs.append(self._init(f"{weight}{QUANT}tile_scales", t.scales, "float32"))

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ort_lora.export.quant import BlockQuantized, TiledBlocks, quantize_activations, untile_blocks
+from ort_lora.export.quant import BlockQuantized, quantize_activations, untile_blocks
 from ort_lora.export.quant_graph import QUANT, stacked_parts
+from ort_lora.quant_tiles import TiledBlocks
 
 
 def exported_weights(model_dir) -> dict[str, BlockQuantized]:
