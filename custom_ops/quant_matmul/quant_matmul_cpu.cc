@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -140,6 +141,17 @@ struct TileArgs {
   int64_t ldy;           // the output's row stride
 };
 
+// The 4 int8 values of x that meet chunk j's low nibbles, and the 4 that meet its high ones,
+// each as one int32 to broadcast. always_inline: GCC inlines nothing of the default arch into
+// the kernels' target functions otherwise.
+inline __attribute__((always_inline)) std::pair<int32_t, int32_t> XQuads(const int8_t* xb,
+                                                                         int64_t j) {
+  int32_t low, high;
+  std::memcpy(&low, xb + 8 * j, 4);
+  std::memcpy(&high, xb + 8 * j + 4, 4);
+  return {low, high};
+}
+
 TileArgs Strip(const Problem& p, int64_t row, int64_t strip) {
   const QuantMatMulArgs& a = *p.a;
   const int64_t tile = strip / kStrips;
@@ -241,9 +253,7 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xb + r * k + 8 * j, 4);
-          std::memcpy(&x1, xb + r * k + 8 * j + 4, 4);
+          const auto [x0, x1] = XQuads(xb + r * k, j);
           dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo, _mm512_set1_epi32(x0));
           dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi, _mm512_set1_epi32(x1));
         }
@@ -302,9 +312,7 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2(const Problem& p, const 
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xb + r * k + 8 * j, 4);
-          std::memcpy(&x1, xb + r * k + 8 * j + 4, 4);
+          const auto [x0, x1] = XQuads(xb + r * k, j);
           const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
           const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
