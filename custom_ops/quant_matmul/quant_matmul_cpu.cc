@@ -28,11 +28,11 @@ constexpr int64_t kChunkBytes = kQuantTile * 4;   // a tile's codes of 8 k
 // x quantized per block, and what the kernels multiply by.
 struct Problem {
   const QuantMatMulArgs* a;
-  int64_t blocks, tiles, chunks, tiles_per_item;
-  int8_t* xq;     // [m, k]
-  float* xscale;  // [m, blocks] amax / 127
-  float* xqsum;   // [m, blocks] xscale * sum(codes): what the zero points multiply
-  float* xsum;    // [m, blocks] float sums of x: what the offsets multiply (with offsets)
+  int64_t blocks, tiles, row_chunks, tiles_per_item;  // row chunks: of kChunkRows rows
+  int8_t* xq;                                         // [m, k]
+  float* xscale;                                      // [m, blocks] amax / 127
+  float* xqsum;  // [m, blocks] xscale * sum(codes): what the zero points multiply
+  float* xsum;   // [m, blocks] float sums of x: what the offsets multiply (with offsets)
 };
 
 // ---- quantizing x: per block, scale amax / 127, codes rint(x * (127 / amax)) ----
@@ -297,7 +297,7 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2(const Problem& p, const 
   const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t half = 0; half < 2; ++half) {
-    const int64_t columns = std::min<int64_t>({8, t.columns - 8 * half, kLanes});
+    const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
     if (columns <= 0) break;
     const uint8_t* w = t.codes + 32 * half;
     __m256 acc[MR];
@@ -398,8 +398,8 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
             nullptr,
             nullptr,
             nullptr};
-  p.chunks = (a.m + kChunkRows - 1) / kChunkRows;
-  const int64_t wanted = std::max<int64_t>(1, kTargetItems / p.chunks);
+  p.row_chunks = (a.m + kChunkRows - 1) / kChunkRows;
+  const int64_t wanted = std::max<int64_t>(1, kTargetItems / p.row_chunks);
   p.tiles_per_item = std::max<int64_t>(1, (p.tiles + wanted - 1) / wanted);
   xq.resize(a.m * a.k);
   stats.resize(a.m * p.blocks * 3);
@@ -417,13 +417,13 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
   if (a.m <= kQuantizeSerial) {
     for (int64_t r = 0; r < a.m; ++r) kernels.quantize(p, r);
   } else {
-    parallel(static_cast<size_t>(p.chunks), [&](size_t c) {
+    parallel(static_cast<size_t>(p.row_chunks), [&](size_t c) {
       const int64_t end = std::min(a.m, static_cast<int64_t>(c + 1) * kChunkRows);
       for (int64_t r = static_cast<int64_t>(c) * kChunkRows; r < end; ++r) kernels.quantize(p, r);
     });
   }
   const int64_t groups = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
-  parallel(static_cast<size_t>(p.chunks * groups), [&](size_t i) {
+  parallel(static_cast<size_t>(p.row_chunks * groups), [&](size_t i) {
     const int64_t chunk = static_cast<int64_t>(i) / groups,
                   group = static_cast<int64_t>(i) % groups;
     const int64_t row_end = std::min(a.m, (chunk + 1) * kChunkRows);

@@ -111,7 +111,7 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 
 @dataclass
 class _Tiled:
-    """ort_lora.QuantMatMul weights: TiledBlocks of a weight with n rows (export/quant.py)."""
+    """ort_lora.QuantMatMul weights: TiledBlocks of a weight with n rows (quant_tiles.py)."""
 
     tiled: TiledBlocks
     n: int

@@ -147,7 +147,7 @@ class DecoderBuilder:
         parts = [self.projection_quantized(layer, prefix, m) for m in modules]  # [out, in] blocks
         weights = [self.module_weight(layer, prefix, m) for m in modules]
         stacked = BlockQuantized.stack(parts) if len(parts) > 1 else None
-        if stacked is None:  # one module, or blocks that differ: a MatMulNBits each
+        if stacked is None:  # one module, or blocks that differ: one product each
             names = [self.module_name(layer, prefix, m) for m in modules]
             ys = [self.qgraph.matmul(x, *part) for part in zip(parts, weights, names)]
         else:
