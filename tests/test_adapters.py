@@ -8,6 +8,7 @@ the registry hands to the graph.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -280,6 +281,24 @@ def test_refuses_bad_tensors(adapters, tmp_path, edit, message):
     tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
     save_file(tensors, bad / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match=message):
+        AdapterRegistry(manifest()).register(LoRARequest("bad", 1, str(bad)))
+
+
+@pytest.mark.parametrize(
+    "dtype, value",
+    [(np.float32, np.nan), (np.float32, -np.inf), (np.float64, 1e300)],  # 1e300: inf as float32
+)
+def test_refuses_values_not_finite_naming_the_tensor(adapters, tmp_path, dtype, value):
+    from safetensors.numpy import load_file, save_file
+
+    root, _ = adapters
+    bad = shutil.copytree(root / "qv4", tmp_path / "bad")
+    tensors = load_file(bad / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    tensors[name][3, 1] = value
+    save_file(tensors, bad / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=rf"tensor '{re.escape(name)}' holds 1 NaN or inf"):
         AdapterRegistry(manifest()).register(LoRARequest("bad", 1, str(bad)))
 
 

@@ -114,11 +114,21 @@ def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) ->
         pairs = _pair_tensors(f.tensors, config, manifest, weights)
         if not pairs:
             raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
-        pairs = {
-            k: (key, f.read(a), f.read(b), None if m is None else f.read(m))
+        views = {
+            k: (key, f.view(a), f.view(b), None if m is None else f.view(m))
             for k, (key, a, b, m) in pairs.items()
         }
-    return HostAdapter(name, adapter_dir, _stack_modules(pairs, config, manifest))
+        modules = _stack_modules(views, config, manifest)  # the one copy out of the map
+        del views
+        if not all(_finite(w) for w in modules.values()):
+            f.check_finite(f.tensors)  # names the tensor
+            raise AdapterError(f"{weights}: holds NaN or inf values")
+    return HostAdapter(name, adapter_dir, modules)
+
+
+def _finite(w: ModuleWeights) -> bool:
+    arrays = (w.a, w.bt) if w.magnitude is None else (w.a, w.bt, w.magnitude)
+    return all(np.isfinite(x).all() for x in arrays)
 
 
 def _example() -> str:

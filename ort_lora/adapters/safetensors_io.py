@@ -6,13 +6,16 @@ data block; offsets are relative to the start of the data block.
 
 Adapter files are untrusted. The file is memory-mapped, never read whole: the header is
 parsed and every entry checked (types, sizes, ranges inside the file) before any tensor data
-is touched, a caller can check the shapes it expects first (`SafetensorsFile.tensors`), and
-then reads tensors one at a time, each checked to be finite. Error messages name the file and
-the tensor, never show the file's bytes.
+is touched, a caller can check the shapes it expects first (`SafetensorsFile.tensors`), then
+takes views of the tensors (`view`) and copies them where they go: one copy out of the map,
+into memory allocated once (a temporary array per tensor costs more in first touches of its
+pages than the copy itself). `check_finite` names a tensor holding NaN or inf. Error messages
+name the file and the tensor, never show the file's bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -65,30 +68,28 @@ class SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._map.close()
+        # a view still referenced (a traceback's frame) keeps the map open until it is freed
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as a C-contiguous float32 array; AdapterError if it holds NaN or inf."""
+    def view(self, name: str) -> np.ndarray:
+        """The tensor's values, read-only: a view of the map (float32, float16 or float64 as
+        stored: assigning it into a float32 array converts), BF16 converted to a float32 copy.
+        Every view must be dropped before the file closes."""
         info = self.tensors[name]
-        start = self._data_start
-        raw = np.frombuffer(self._map, _DTYPES[info.dtype], offset=start + info.begin,
+        raw = np.frombuffer(self._map, _DTYPES[info.dtype], offset=self._data_start + info.begin,
                             count=int(np.prod(info.shape, dtype=np.int64)))  # fmt: skip
         raw = raw.reshape(info.shape)
-        if info.dtype == "BF16":
-            out = np.ascontiguousarray(bfloat16_bits_to_float32(raw))
-        else:
-            out = np.array(raw, dtype=np.float32, order="C")  # a copy: the map closes later
-        del raw  # no view of the map may outlive this call (closing it would fail)
-        if not np.isfinite(out).all():
-            bad = int(np.size(out) - np.isfinite(out).sum())
-            raise AdapterError(f"{self.path}: tensor {name!r} holds {bad} NaN or inf values")
-        return out
+        return bfloat16_bits_to_float32(raw) if info.dtype == "BF16" else raw
 
-
-def load_float32(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a safetensors file as C-contiguous float32 arrays (checked finite)."""
-    with SafetensorsFile(path) as f:
-        return {name: f.read(name) for name in f.tensors}
+    def check_finite(self, names) -> None:
+        """AdapterError naming the first of these tensors that holds NaN or inf."""
+        for name in names:
+            v = self.view(name).astype(np.float32, copy=False)  # as served: 1e300 is inf
+            bad = int(np.size(v) - np.isfinite(v).sum())
+            del v
+            if bad:
+                raise AdapterError(f"{self.path}: tensor {name!r} holds {bad} NaN or inf values")
 
 
 def _header(buf: mmap.mmap, path: Path) -> tuple[dict[str, TensorInfo], int]:
