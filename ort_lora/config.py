@@ -102,6 +102,11 @@ class EngineConfig:
                             their admission (S-LoRA prefetch: on a GPU the copy overlaps with
                             the running step); None = on for device cuda, off for cpu (CPU
                             copies are synchronous: there is nothing to overlap)
+    preload_adapters:       add_lora copies the adapter into FREE pool pages at once (idle
+                            there, evicted like any idle adapter when KV blocks need pages;
+                            nothing is evicted for it), so its first request finds it resident
+                            instead of reading it from disk inside a step (the CPU host cache
+                            keeps only max_cpu_loras adapters)
     """
 
     max_num_seqs: int = 64
@@ -115,6 +120,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_adapter_wait_steps: int = 4
     prefetch_adapters: bool | None = None
+    preload_adapters: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -319,8 +319,8 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(
         return outs[-1].outputs[0].token_ids
 
     async def main():
-        engine = AsyncEngine.from_model_dir(
-            tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1
+        engine = AsyncEngine.from_model_dir(  # not preloaded: the first step rereads qv4
+            tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1, preload_adapters=False
         )
         for lora in loras[1:]:
             engine.add_lora(lora)
@@ -341,7 +341,8 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(
     assert stats.kv_pages == 0 and stats.adapter_pages_pinned == 0
 
     shutil.copytree(adapter_dirs["qv4"], broken, dirs_exist_ok=True)
-    llm = LLM(tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1)
+    llm = LLM(tiny_llama_export, num_pages=256, max_loras=1, max_cpu_loras=1,
+              preload_adapters=False)  # fmt: skip
     for lora in loras[1:]:
         llm.engine.add_lora(lora)
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
@@ -349,3 +350,53 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(
     with pytest.raises(AdapterError, match="adapter 'qv4' could not be loaded"):
         llm.generate(prompts, params, lora_request=loras)  # the offline API: all or nothing
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == want[0]
+
+
+def test_registered_adapters_are_preloaded_into_free_pages(tiny_llama_export, adapter_dirs):
+    """add_lora copies each adapter into free pool pages (idle, evicting nothing), so the
+    requests' steps load none; the tokens are those of an engine that loads them on first use.
+    A pool too small for all of them preloads what fits; KV blocks take an idle adapter's
+    pages back; remove_lora frees a preloaded adapter's pages."""
+    from ort_lora.engine.invariants import assert_invariants
+
+    def check(engine):
+        assert_invariants(engine.pool, engine.registry, engine.scheduler, engine.tracker)
+
+    loras = [_lora(n, adapter_dirs) for n in ADAPTERS]
+    ids = [lo.lora_int_id for lo in loras]
+    reqs = [(PROMPTS[i % len(PROMPTS)], loras[i % len(loras)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    tokens = {}
+    for preload in (True, False):
+        llm = LLM(tiny_llama_export, num_pages=256, max_cpu_loras=1, preload_adapters=preload)
+        pool = llm.engine.pool
+        for lora in loras:
+            llm.engine.add_lora(lora)
+        assert [pool.is_resident(a) for a in ids] == [preload] * len(ids)
+        assert pool.stats().adapter_pages_pinned == 0
+        loads = pool.stats().adapter_loads
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p, _ in reqs], params, lora_request=[r for _, r in reqs]
+        )
+        stats = pool.stats()
+        assert (stats.adapter_loads == loads, stats.adapter_misses == 0) == (preload, preload)
+        check(llm.engine)
+        tokens[preload] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[True] == tokens[False]
+
+    engine = LLM(tiny_llama_export, num_pages=256).engine
+    engine.add_lora(loras[0])
+    size = len(engine.pool.adapter_pages(ids[0]))
+    engine.remove_lora(loras[0].lora_name)
+    assert not engine.pool.is_resident(ids[0]) and engine.pool.stats().free_pages == 256
+
+    small = LLM(tiny_llama_export, num_pages=size + 1).engine  # room for one adapter
+    for lora in loras:
+        small.add_lora(lora)
+    assert [small.pool.is_resident(a) for a in ids] == [True] + [False] * (len(ids) - 1)
+    assert small.pool.stats().adapter_evictions == 0
+    small.add_request("r", PROMPTS[1], SamplingParams(max_tokens=1), None)  # 3 KV blocks
+    while small.has_unfinished_requests():
+        small.step()
+        check(small)
+    assert not small.pool.is_resident(ids[0]) and small.pool.stats().adapter_evictions == 1

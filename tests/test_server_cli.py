@@ -42,6 +42,8 @@ def test_engine_overrides():
         "max_num_seqs": 8,
         "pool_memory_bytes": 64 << 20,
     }
+    no_preload = build_parser().parse_args(["m", "--no-preload-adapters"])
+    assert engine_overrides(no_preload) == {"preload_adapters": False}
     with pytest.raises(SystemExit):  # one pool size, not two
         build_parser().parse_args(["m", "--num-pages", "9", "--pool-memory-mb", "64"])
 

@@ -87,8 +87,15 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest, adapter: HostAdapter | None = None) -> None:
         """Register an adapter; AdapterError names the problem. adapter: its files already
-        read (registry.load), so that reading them need not hold up the engine."""
+        read (registry.load), so that reading them need not hold up the engine.
+        config.preload_adapters: copied into free pool pages now, so that its first request
+        finds it resident (idle there: KV blocks and other adapters take the pages back)."""
         self.registry.register(lora_request, adapter)
+        aid = lora_request.lora_int_id
+        if self.config.preload_adapters and not self.pool.is_resident(aid):
+            pages = self.pool.prefetch_adapter(aid, self.registry.num_pages_needed(aid))
+            if pages is not None:  # else the free list is short: loaded on first use
+                self.runner.load_adapter(aid, pages)
 
     def remove_lora(self, name_or_id: str | int) -> None:
         """Unload an adapter: new requests for it fail at once; running ones finish first."""

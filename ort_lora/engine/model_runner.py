@@ -35,12 +35,17 @@ class ModelRunner:
         failed: dict[int, Exception] = {}
         todo = [(a, False) for a in plan.loads] + [(a, True) for a in plan.prefetch]
         for a, prefetch in todo:
-            write = functools.partial(self.registry.write_to_pool, a.adapter_id)
             try:
-                self.session.load_adapter(a.adapter_id, a.pages, write, prefetch=prefetch)
+                self.load_adapter(a.adapter_id, a.pages, prefetch)
             except (AdapterError, OSError) as e:
                 failed[a.adapter_id] = e
         return failed
+
+    def load_adapter(self, adapter_id: int, pages, prefetch: bool = False) -> None:
+        """Copy one registered adapter into these pool pages (before the next run; prefetch:
+        the next run does not use it)."""
+        write = functools.partial(self.registry.write_to_pool, adapter_id)
+        self.session.load_adapter(adapter_id, pages, write, prefetch=prefetch)
 
     def run(self, plan: StepPlan, times: StepTimes | None = None) -> np.ndarray:
         """Logits of the plan's logit rows [plan.num_logit_rows, vocab]; `times` gets the

@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         "many as fit beside the running sequences' KV)",
     )
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
+    p.add_argument(
+        "--no-preload-adapters",
+        dest="preload_adapters",
+        action="store_false",
+        default=None,
+        help="do not copy adapters into free pool pages when they are registered (they are "
+        "then read from disk in their first request's step)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request")
@@ -130,7 +138,7 @@ RAY_ONLY += ("max_ongoing_requests", "ray_routing")
 def engine_overrides(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line."""
     names = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
-    names += ("max_model_len", "num_pages")
+    names += ("max_model_len", "num_pages", "preload_adapters")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.pool_memory_mb is not None:
         overrides["pool_memory_bytes"] = args.pool_memory_mb << 20
