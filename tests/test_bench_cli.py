@@ -56,6 +56,7 @@ def test_quick_results_schema(quick_run):
     assert doc["schema"] == output.SCHEMA
     assert {"command", "date", "machine", "cpu", "threads", "notes"} <= set(doc["meta"])
     assert doc["meta"]["command"].startswith("ort-lora bench --quick")
+    assert "ort-lora adapters copied into the pool at registration" in doc["meta"]["notes"]
     expected = _expected_runs()
     assert [(r["experiment"], r["label"]) for r in doc["results"]] == [
         (r["experiment"], r["label"]) for r in expected

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip peer systems (vLLM) whose venv is not installed yet instead of installing "
         "it (--quick never installs)",
     )
+    p.add_argument(
+        "--no-preload-adapters",
+        action="store_true",
+        help="ort-lora reads each adapter in its first request's step instead of copying it "
+        "into free pool pages at registration (engine and HTTP rows)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     return p
@@ -79,6 +85,8 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     block = 8 if source.name == "tiny" else 16
     models = {"hf": hf, "ort_lora": assets.ort_lora_model(hf, cache, block, args.adapter_dtype)}
     notes.append(f"ort-lora adapter rows: {args.adapter_dtype}")
+    loading = "in their first step" if args.no_preload_adapters else "at registration"
+    notes.append(f"ort-lora adapters copied into the pool {loading}")
     count = max(scale.num_requests, scale.num_adapters)
     adapters = assets.random_adapters(hf, cache, count, args.rank, args.seed)
     built = dict(scale=scale, cache=cache, models=models, adapters=adapters, genai_adapters=[])
@@ -229,6 +237,8 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
             hf, cache, n = models["hf"], built["cache"], len(adapters)
             adapters = assets.random_adapters(hf, cache, n, args.rank, args.seed, dora=True)
         spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)
+        if args.no_preload_adapters:
+            spec.options["preload_adapters"] = False
         key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])
         if key in done:
             results.append({**done[key], "label": spec.label, "experiment": spec.experiment})

@@ -25,11 +25,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model_dir: str, port: int, adapters: list[str]) -> list[str]:
+def serve_command(
+    model_dir: str, port: int, adapters: list[str], preload: bool = True
+) -> list[str]:
     """`ort-lora serve` with its default pool, max_loras and host adapter cache, adapters
-    named a0, a1, ..."""
+    named a0, a1, ... (preload False: --no-preload-adapters)."""
     cmd = [sys.executable, "-m", "ort_lora.cli", "serve", model_dir, "--port", str(port)]
     cmd += ["--log-level", "warning", "--max-num-seqs", "64"]
+    cmd += [] if preload else ["--no-preload-adapters"]
     if adapters:
         cmd += ["--lora-modules", *[f"a{i}={a}" for i, a in enumerate(adapters)]]
     return cmd
@@ -37,7 +40,8 @@ def serve_command(model_dir: str, port: int, adapters: list[str]) -> list[str]:
 
 def start_server(spec: RunSpec, workload: Workload, port: int) -> subprocess.Popen:
     model = spec.models[spec.options.get("model", "ort_lora")]
-    cmd = serve_command(model, port, spec.adapters[: workload.num_adapters])
+    preload = spec.options.get("preload_adapters", True)
+    cmd = serve_command(model, port, spec.adapters[: workload.num_adapters], preload)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -14,12 +14,15 @@ from ort_lora.config import page_bytes
 def build_engine(spec: RunSpec, workload: Workload):
     """An LLMEngine on the export with the default pool, max_loras and host adapter cache;
     spec.options["pool_bytes"] overrides the pool, spec.options["model"] the export (a key
-    of spec.models, default "ort_lora")."""
+    of spec.models, default "ort_lora"), spec.options["preload_adapters"] the preloading."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
 
     pool = {"pool_memory_bytes": spec.options["pool_bytes"]} if "pool_bytes" in spec.options else {}
-    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, **pool)
+    preload = spec.options.get("preload_adapters", True)
+    config = EngineConfig(
+        max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=preload, **pool
+    )
     model = spec.models[spec.options.get("model", "ort_lora")]
     return LLMEngine(model, config, intra_op_num_threads=spec.threads, seed=0)
 
