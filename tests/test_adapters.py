@@ -391,3 +391,36 @@ def test_host_cache_is_bounded_lru(adapters):
     assert reg.stats["loads"] == 5 and reg.stats["host_misses"] == 1
     assert reg.cached_ids() == [4, 1]
     assert reg.get("qv4") is first and reg.stats["host_hits"] == 1
+
+
+def test_step_inputs_of_evicted_adapters_need_no_reload(adapters):
+    """A step's inputs come from what registration kept (packing, ranks, scales): adapters
+    the host cache evicted are not read again, and the inputs equal those built from the
+    adapters in memory."""
+    root, _ = adapters
+    slots = []
+    for max_cpu in (1, len(ADAPTERS)):
+        reg = AdapterRegistry(manifest(), max_cpu_loras=max_cpu)
+        for i, name in enumerate(ADAPTERS, start=1):
+            reg.register(LoRARequest(name, i, str(root / name)))
+        loads = reg.stats["loads"]
+        pages = [tuple(range(10 * i, 10 * i + reg.num_pages_needed(i))) for i in (1, 2, 3, 4)]
+        slots.append(reg.lora_step_inputs([(i - 1, i, pg) for i, pg in enumerate(pages, 1)], 64))
+        assert reg.stats["loads"] == loads and reg.stats["host_misses"] == 0
+    assert slots[0].keys() == slots[1].keys()
+    for name in slots[0]:
+        np.testing.assert_array_equal(slots[0][name], slots[1][name], err_msg=name)
+
+
+def test_reload_of_changed_files_is_refused(adapters, tmp_path):
+    """An evicted adapter whose files changed since registration (here its rank) is not
+    served with the registered layout: the reload names the adapter and says so."""
+    root, _ = adapters
+    path = shutil.copytree(root / "qv4", tmp_path / "qv4")
+    reg = AdapterRegistry(manifest(), max_cpu_loras=1)
+    reg.register(LoRARequest("mine", 1, str(path)))
+    reg.register(LoRARequest("other", 2, str(root / "all8")))  # evicts "mine"
+    shutil.rmtree(path)
+    shutil.copytree(root / "all8", path)  # other ranks and modules, same place
+    with pytest.raises(AdapterError, match="'mine'.*changed since it was registered"):
+        reg.get("mine")

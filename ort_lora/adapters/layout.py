@@ -90,24 +90,55 @@ def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
     return packing(adapter, manifest.page_elems, manifest.adapter_dtype).num_pages
 
 
-def layout(
-    adapter: HostAdapter, pages, manifest: ModelManifest, num_pages: int
-) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-    """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m], dora_offset) for
-    these pages; dora_offset is -1 for a module without DoRA rows.
+@dataclass(frozen=True)
+class SlotLayout:
+    """What a step needs of a registered adapter besides its pages: where its rows sit in them
+    (the packing) and each module's ranks and scales per layer. A few KB, no weights: the
+    registry keeps one per registered adapter, so building a step's inputs never rereads an
+    adapter the host cache has evicted."""
 
-    Offsets are flat element offsets into one layer's pool share (key_cache then value_cache)
-    of a pool with num_pages pages.
-    """
-    pe = manifest.page_elems
-    pk = packing(adapter, pe, manifest.adapter_dtype)
-    half_start = _half_starts(adapter, pages, pk, num_pages, pe)  # [num_halves]
-    out = {}
-    for m, (ah, arel, bh, brel) in pk.rows.items():
-        dh, drel = pk.dora.get(m, (-1, -1))
-        dora = int(half_start[dh] + drel) if dh >= 0 else -1
-        out[m] = (half_start[ah] + arel, half_start[bh] + brel, dora)
-    return out
+    name: str
+    packing: Packing
+    page_elems: int
+    ranks_scales: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (int32 [L], float32 [L])
+
+    @classmethod
+    def of(cls, adapter: HostAdapter, manifest: ModelManifest) -> SlotLayout:
+        pe = manifest.page_elems
+        modules = {m: (w.ranks.copy(), w.scales.copy()) for m, w in adapter.modules.items()}
+        return cls(adapter.name, packing(adapter, pe, manifest.adapter_dtype), pe, modules)
+
+    @property
+    def num_pages(self) -> int:
+        return self.packing.num_pages
+
+    def same_as(self, other: SlotLayout) -> bool:
+        """Whether two loads of an adapter put the same rows in the same places (its files
+        unchanged in what the step inputs depend on)."""
+        pk, pk2 = self.packing, other.packing
+        same_rows = pk.rows.keys() == pk2.rows.keys() and all(
+            all(np.array_equal(x, y) for x, y in zip(pk.rows[m], pk2.rows[m])) for m in pk.rows
+        )
+        same_rs = self.ranks_scales.keys() == other.ranks_scales.keys() and all(
+            all(np.array_equal(x, y) for x, y in zip(rs, other.ranks_scales[m]))
+            for m, rs in self.ranks_scales.items()
+        )
+        return pk.num_halves == pk2.num_halves and pk.dora == pk2.dora and same_rows and same_rs
+
+    def part(self, pages, num_pages: int) -> dict[str, tuple]:
+        """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m], ranks int32
+        [L], scales float32 [L], dora_offset) for these pages: flat element offsets into one
+        layer's pool share (key_cache then value_cache) of a pool with num_pages pages;
+        dora_offset -1 for a module without DoRA rows."""
+        pk = self.packing
+        half_start = _half_starts(self.name, pages, pk, num_pages, self.page_elems)
+        out = {}
+        for m, (ah, arel, bh, brel) in pk.rows.items():
+            dh, drel = pk.dora.get(m, (-1, -1))
+            dora = int(half_start[dh] + drel) if dh >= 0 else -1
+            ranks, scales = self.ranks_scales[m]
+            out[m] = (half_start[ah] + arel, half_start[bh] + brel, ranks, scales, dora)
+        return out
 
 
 def step_tables(parts: dict[int, dict], manifest: ModelManifest) -> dict[str, np.ndarray]:
@@ -142,14 +173,13 @@ def step_tables(parts: dict[int, dict], manifest: ModelManifest) -> dict[str, np
     return out
 
 
-def _half_starts(adapter, pages, pk: Packing, num_pages: int, page_elems: int) -> np.ndarray:
+def _half_starts(name: str, pages, pk: Packing, num_pages: int, page_elems: int) -> np.ndarray:
     pages = np.asarray(pages, dtype=np.int64).reshape(-1)
     if len(pages) < pk.num_pages:
-        raise AdapterError(f"adapter {adapter.name!r} needs {pk.num_pages} pages, got {len(pages)}")
+        raise AdapterError(f"adapter {name!r} needs {pk.num_pages} pages, got {len(pages)}")
     if len(np.unique(pages)) != len(pages) or pages.min() < 0 or pages.max() >= num_pages:
         raise AdapterError(
-            f"adapter {adapter.name!r}: pages {pages.tolist()} must be distinct and in "
-            f"[0, {num_pages})"
+            f"adapter {name!r}: pages {pages.tolist()} must be distinct and in [0, {num_pages})"
         )
     half = np.arange(pk.num_halves)
     return (half % 2 * num_pages + pages[half // 2]) * page_elems  # [num_halves]
@@ -175,7 +205,7 @@ def write_to_pool(
     page_elems = int(np.prod(pool.shape[3:]))
     flat = pool.reshape(num_layers, -1)  # [L, 2 * num_pages * page_elems], a view
     pk = packing(adapter, page_elems, row_type)
-    half_start = _half_starts(adapter, pages, pk, num_pages, page_elems)
+    half_start = _half_starts(adapter.name, pages, pk, num_pages, page_elems)
     if row_type is not None:
         flat = flat.view(np.uint32)  # bit patterns, copied as they are
     for m, w in adapter.modules.items():

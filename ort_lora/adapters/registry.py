@@ -37,13 +37,7 @@ from ort_lora.adapters.errors import (
     CompositionError,
 )
 from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
-from ort_lora.adapters.layout import (
-    layout,
-    num_pages_needed,
-    prepare_rows,
-    step_tables,
-    write_to_pool,
-)
+from ort_lora.adapters.layout import SlotLayout, prepare_rows, step_tables, write_to_pool
 from ort_lora.adapters.peft_config import CONFIG_NAME
 from ort_lora.contract import ModelManifest
 from ort_lora.lora_request import LoRARequest
@@ -123,7 +117,7 @@ class AdapterRegistry:
         self._dora_rows_kept: dict[int, tuple[tuple, dict[str, np.ndarray]]] = {}  # id -> stamp, D
         self._requests: dict[int, LoRARequest] = {}
         self._ids: dict[str, int] = {}
-        self._pages_needed: dict[int, int] = {}
+        self._layouts: dict[int, SlotLayout] = {}  # of every registered adapter (no weights)
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
         self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
@@ -155,7 +149,7 @@ class AdapterRegistry:
         adapter = adapter if adapter is not None else self.load(request)
         self._requests[request.lora_int_id] = request
         self._ids[request.lora_name] = request.lora_int_id
-        self._pages_needed[request.lora_int_id] = num_pages_needed(adapter, self.manifest)
+        self._layouts[request.lora_int_id] = SlotLayout.of(adapter, self.manifest)
         if adapter.is_dora:
             self._dora_ids.add(request.lora_int_id)
             rows = {m: w.dora for m, w in adapter.modules.items() if w.dora is not None}
@@ -220,7 +214,7 @@ class AdapterRegistry:
         request = self.request(name_or_id)
         aid = request.lora_int_id
         assert not self._users.get(aid), f"adapter {request.lora_name!r} still has users"
-        del self._requests[aid], self._ids[request.lora_name], self._pages_needed[aid]
+        del self._requests[aid], self._ids[request.lora_name], self._layouts[aid]
         self.request_counts.pop(aid, None)
         self._dora_ids.discard(aid)
         self._dora_rows_kept.pop(aid, None)
@@ -264,6 +258,12 @@ class AdapterRegistry:
         request = self._requests[aid]
         rows = kept[1] if kept is not None and kept[0] == self._stamp(request) else None
         adapter = self.load(request, rows)
+        if not SlotLayout.of(adapter, self.manifest).same_as(self._layouts[aid]):
+            raise AdapterError(
+                f"adapter {request.lora_name!r}: its files at {request.lora_path} changed since "
+                "it was registered (ranks, scales or targeted modules differ); unload and load "
+                "it again"
+            )
         self._cache(aid, adapter)
         return adapter
 
@@ -273,7 +273,7 @@ class AdapterRegistry:
 
     def num_pages_needed(self, name_or_id: str | int) -> int:
         """Pool pages the adapter occupies (known from registration, no reload)."""
-        return self._pages_needed[self.request(name_or_id).lora_int_id]
+        return self._layouts[self.request(name_or_id).lora_int_id].num_pages
 
     def load(
         self, request: LoRARequest, dora_rows: dict[str, np.ndarray] | None = None
@@ -415,12 +415,7 @@ class AdapterRegistry:
         if key in self._step_parts:
             self._step_parts.move_to_end(key)
             return self._step_parts[key]
-        adapter = self.get(aid)
-        offsets = layout(adapter, pages, self.manifest, num_pages)
-        part = {
-            m: (offsets[m][0], offsets[m][1], w.ranks, w.scales, offsets[m][2])
-            for m, w in adapter.modules.items()
-        }
+        part = self._layouts[aid].part(pages, num_pages)  # no host copy needed
         self._step_parts[key] = part
         while len(self._step_parts) > _MAX_STEP_ENTRIES:
             self._step_parts.popitem(last=False)
