@@ -26,9 +26,10 @@ DEFAULT_POOL_FRACTION = 0.10
 POOL_FLOOR_BYTES = 256 << 20
 POOL_CAP_BYTES = 4 << 30
 # Host adapter cache by default: on CPU the pool itself is host memory and holds every resident
-# adapter, so host copies only spare disk reads for adapters the pool evicted: a few suffice.
+# adapter (registration preloads them into free pages; a step's inputs need no host copy), so a
+# host copy would only spare a disk read for an adapter the pool evicted: none are kept.
 # A device pool keeps S-LoRA's host tier: max(4 * max_loras, 16), or 32 without max_loras.
-CPU_HOST_LORAS = 2
+CPU_HOST_LORAS = 0
 DEVICE_HOST_LORAS = 32
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -83,9 +84,10 @@ class EngineConfig:
     max_num_batched_tokens: packed tokens in one step (the chunked-prefill budget)
     max_loras:              cap on distinct adapters among running requests (base never
                             counts); None = no cap beyond the pool (resolved to num_pages)
-    max_cpu_loras:          adapters kept in host memory (LRU); None = max(2, max_loras) for
-                            a CPU pool (the pool holds the resident ones), max(4 * max_loras,
-                            16) or 32 for a device pool (resolved with the model)
+    max_cpu_loras:          adapters kept in host memory (LRU), 0 = none; None = 0 for a CPU
+                            pool (the pool is host memory and holds the resident ones),
+                            max(4 * max_loras, 16) or 32 for a device pool (resolved with the
+                            model)
     num_pages:              pool size in pages; or give pool_memory_bytes or
                             pool_memory_fraction instead
     pool_memory_bytes:      pool size in bytes, converted with the model's page size
@@ -125,11 +127,13 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        optional = ("num_pages", "pool_memory_bytes", "max_model_len", "max_cpu_loras")
-        optional += ("max_loras",)
+        optional = ("num_pages", "pool_memory_bytes", "max_model_len", "max_loras")
         for name in (*optional, "block_size"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0):
+            raise ValueError(f"max_cpu_loras must be an integer >= 0, got {cpu!r}")
         if self.max_adapter_wait_steps < 0:
             raise ValueError(
                 f"max_adapter_wait_steps must be >= 0, got {self.max_adapter_wait_steps}"
@@ -144,7 +148,7 @@ class EngineConfig:
             self.max_loras = self.num_pages  # an adapter takes >= 1 page: the pool bounds it
         no_cap = self.num_pages is not None and self.max_loras >= self.num_pages
         explicit = self.max_loras is not None and self.max_cpu_loras is not None and not no_cap
-        if explicit and self.max_cpu_loras < self.max_loras:
+        if explicit and 0 < self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
@@ -159,12 +163,16 @@ class EngineConfig:
             pool_memory_bytes=None,
             pool_memory_fraction=None,
             max_model_len=self.model_len(manifest),
-            max_cpu_loras=self.max_cpu_loras or self._default_cpu_loras(manifest),
+            max_cpu_loras=(
+                self._default_cpu_loras(manifest)
+                if self.max_cpu_loras is None
+                else self.max_cpu_loras
+            ),
         )
 
     def _default_cpu_loras(self, manifest: ModelManifest) -> int:
-        if manifest.device == "cpu":  # at least the capped step's adapters, as before
-            return max(CPU_HOST_LORAS, self.max_loras or 0)
+        if manifest.device == "cpu":
+            return CPU_HOST_LORAS
         return max(4 * self.max_loras, 16) if self.max_loras else DEVICE_HOST_LORAS
 
     def num_pages_for(self, manifest: ModelManifest) -> int:

@@ -384,8 +384,12 @@ def test_registered_adapters_are_preloaded_into_free_pages(tiny_llama_export, ad
         tokens[preload] = [o.outputs[0].token_ids for o in outs]
     assert tokens[True] == tokens[False]
 
-    engine = LLM(tiny_llama_export, num_pages=256).engine
-    engine.add_lora(loras[0])
+    engine = LLM(tiny_llama_export, num_pages=256).engine  # a CPU pool keeps no host copies
+    for lora in loras:
+        engine.add_lora(lora)
+    assert engine.registry.cached_ids() == [] and engine.registry.stats["loads"] == len(loras)
+    for lora in loras[1:]:
+        engine.remove_lora(lora.lora_name)
     size = len(engine.pool.adapter_pages(ids[0]))
     engine.remove_lora(loras[0].lora_name)
     assert not engine.pool.is_resident(ids[0]) and engine.pool.stats().free_pages == 256

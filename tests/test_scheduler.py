@@ -433,12 +433,14 @@ def test_default_pool_follows_free_memory_and_the_model():
     cfg = EngineConfig()
     assert (cfg.pool_memory_fraction, cfg.max_loras, cfg.max_cpu_loras) == (0.1, None, None)
     resolved = EngineConfig(pool_memory_fraction=0.01).resolved(manifest)
-    assert resolved.max_cpu_loras == cfgmod.CPU_HOST_LORAS  # the CPU pool holds the rest
+    assert resolved.max_cpu_loras == cfgmod.CPU_HOST_LORAS == 0  # the CPU pool holds them
     assert EngineConfig(max_loras=8).resolved(cuda).max_cpu_loras == 32
     assert resolved.num_pages >= cfgmod.POOL_FLOOR_BYTES // cfgmod.page_bytes(manifest)
     assert resolved.max_loras == resolved.num_pages  # no cap beyond the pool
     capped = EngineConfig(max_loras=3).resolved(manifest)
-    assert (capped.max_loras, capped.max_cpu_loras) == (3, 3)  # an upper bound
+    assert (capped.max_loras, capped.max_cpu_loras) == (3, 0)  # an upper bound; no host copies
+    with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= 0, got -1"):
+        EngineConfig(max_cpu_loras=-1)
     with pytest.raises(ValueError, match="pool_memory_fraction must be in \\(0, 0.9\\], got 2"):
         EngineConfig(pool_memory_fraction=2)
     with pytest.raises(ValueError, match="not both"):

@@ -104,9 +104,9 @@ class AdapterRegistry:
         base_weights: BaseWeights | None = None,
     ):
         if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int):
-            raise ValueError(f"max_cpu_loras must be an integer >= 1, got {max_cpu_loras!r}")
-        if max_cpu_loras < 1:
-            raise ValueError(f"max_cpu_loras must be >= 1, got {max_cpu_loras}")
+            raise ValueError(f"max_cpu_loras must be an integer >= 0, got {max_cpu_loras!r}")
+        if max_cpu_loras < 0:
+            raise ValueError(f"max_cpu_loras must be >= 0, got {max_cpu_loras}")
         self.manifest = manifest
         self.max_cpu_loras = max_cpu_loras
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
@@ -366,9 +366,13 @@ class AdapterRegistry:
 
     # --- pool pages -----------------------------------------------------------------------------
 
-    def write_to_pool(self, name_or_id: str | int, pages, pool: np.ndarray) -> None:
-        """Copy the adapter's rows of every layer into its pages of the pool array."""
-        write_to_pool(self.get(name_or_id), pages, pool, self.manifest.adapter_dtype)
+    def write_to_pool(
+        self, name_or_id: str | int, pages, pool: np.ndarray, adapter: HostAdapter | None = None
+    ) -> None:
+        """Copy the adapter's rows of every layer into its pages of the pool array. adapter:
+        its host form in hand (registration's), else from the host cache or disk."""
+        adapter = adapter if adapter is not None else self.get(name_or_id)
+        write_to_pool(adapter, pages, pool, self.manifest.adapter_dtype)
 
     def lora_step_inputs(
         self, slots: StepSlots, num_pages: int, segments: StepSegments | None = None

@@ -90,12 +90,12 @@ class LLMEngine:
         read (registry.load), so that reading them need not hold up the engine.
         config.preload_adapters: copied into free pool pages now, so that its first request
         finds it resident (idle there: KV blocks and other adapters take the pages back)."""
-        self.registry.register(lora_request, adapter)
+        host = self.registry.register(lora_request, adapter)
         aid = lora_request.lora_int_id
         if self.config.preload_adapters and not self.pool.is_resident(aid):
             pages = self.pool.prefetch_adapter(aid, self.registry.num_pages_needed(aid))
             if pages is not None:  # else the free list is short: loaded on first use
-                self.runner.load_adapter(aid, pages)
+                self.runner.load_adapter(aid, pages, adapter=host)
 
     def remove_lora(self, name_or_id: str | int) -> None:
         """Unload an adapter: new requests for it fail at once; running ones finish first."""

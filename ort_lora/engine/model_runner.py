@@ -41,10 +41,10 @@ class ModelRunner:
                 failed[a.adapter_id] = e
         return failed
 
-    def load_adapter(self, adapter_id: int, pages, prefetch: bool = False) -> None:
+    def load_adapter(self, adapter_id: int, pages, prefetch: bool = False, adapter=None) -> None:
         """Copy one registered adapter into these pool pages (before the next run; prefetch:
-        the next run does not use it)."""
-        write = functools.partial(self.registry.write_to_pool, adapter_id)
+        the next run does not use it; adapter: its host form in hand, else the registry's)."""
+        write = functools.partial(self.registry.write_to_pool, adapter_id, adapter=adapter)
         self.session.load_adapter(adapter_id, pages, write, prefetch=prefetch)
 
     def run(self, plan: StepPlan, times: StepTimes | None = None) -> np.ndarray:
