@@ -107,8 +107,7 @@ class EngineConfig:
     preload_adapters:       add_lora copies the adapter into FREE pool pages at once (idle
                             there, evicted like any idle adapter when KV blocks need pages;
                             nothing is evicted for it), so its first request finds it resident
-                            instead of reading it from disk inside a step (the CPU host cache
-                            keeps only max_cpu_loras adapters)
+                            instead of reading it from disk inside a step
     """
 
     max_num_seqs: int = 64

@@ -7,7 +7,7 @@ from ort_lora.adapters.errors import (
     CompositionError,
 )
 from ort_lora.adapters.host import HostAdapter, ModuleWeights, load_adapter
-from ort_lora.adapters.layout import SlotLayout, num_pages_needed, packing, write_to_pool
+from ort_lora.adapters.layout import SlotLayout, packing, write_to_pool
 from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
 from ort_lora.adapters.registry import AdapterRegistry
 
@@ -22,7 +22,6 @@ __all__ = [
     "PeftLoraConfig",
     "SlotLayout",
     "load_adapter",
-    "num_pages_needed",
     "packing",
     "read_config",
     "write_to_pool",

@@ -85,11 +85,6 @@ def _pack(adapter: HostAdapter, page_elems: int, row_type: str | None) -> Packin
     return Packing(len(free), rows, dora)
 
 
-def num_pages_needed(adapter: HostAdapter, manifest: ModelManifest) -> int:
-    """Pool pages the adapter occupies (the same pages in every layer)."""
-    return packing(adapter, manifest.page_elems, manifest.adapter_dtype).num_pages
-
-
 @dataclass(frozen=True)
 class SlotLayout:
     """What a step needs of a registered adapter besides its pages: where its rows sit in them
