@@ -9,8 +9,10 @@ from ort_lora.engine.sampler import (
     SampleRow,
     apply_penalties,
     make_generator,
+    position_logprobs,
     prompt_logprobs,
     sample,
+    top_k,
 )
 from ort_lora.sampling_params import SamplingParams
 
@@ -162,3 +164,22 @@ def test_prompt_logprobs_hold_the_actual_token():
 def test_sample_rejects_mismatched_logits(rng):
     with pytest.raises(ValueError, match=r"logits must be \[2, vocab\]"):
         sample(np.zeros((3, V), np.float32), rows_of(SamplingParams(), 2), rng)
+
+
+@pytest.mark.parametrize("decimals", [0, 1, 6])  # heavy ties .. none
+def test_top_k_and_ranks_against_a_full_sort(decimals):
+    rng = np.random.default_rng(decimals)
+    for size, k in [(49152, 1), (49152, 20), (3000, 46), (3000, 47), (130, 2), (50, 50), (7, 3)]:
+        x = np.round(rng.standard_normal(size) * 3, decimals).astype(np.float32)
+        x[rng.integers(0, size, 5)] = -np.inf
+        top = top_k(x, k)
+        assert len(set(top.tolist())) == k
+        assert np.array_equal(x[top], np.sort(x)[::-1][:k])  # the k largest, largest first
+        tied = x[top[:-1]] == x[top[1:]]
+        assert (top[:-1][tied] < top[1:][tied]).all()  # ties by index
+        token = int(rng.integers(0, size))
+        got = position_logprobs(x, token, k)
+        assert list(got)[0] == token and set(got) == {token, *top.tolist()}
+        for t, entry in got.items():
+            assert entry.logprob == float(x[t])
+            assert entry.rank == int((x > x[t]).sum()) + 1

@@ -176,7 +176,7 @@ def _row_logprobs(raw, tokens, rows) -> tuple[list, list]:
     sampled: list[float | None] = [None] * len(rows)
     idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if idx:
-        lp = log_softmax(raw[idx])  # [k, V]
+        lp = log_softmax(raw if len(idx) == len(rows) else raw[idx])  # [k, V]
         for j, i in enumerate(idx):
             lps[i] = position_logprobs(lp[j], int(tokens[i]), rows[i].params.logprobs)
             sampled[i] = float(lp[j, tokens[i]])
@@ -186,13 +186,33 @@ def _row_logprobs(raw, tokens, rows) -> tuple[list, list]:
 def position_logprobs(lp: np.ndarray, token: int, k: int) -> PositionLogprobs:
     """{token: Logprob} for one position: `token` first, then the top-k of lp [V], with ranks."""
     k = min(k, len(lp))
-    top = np.argpartition(-lp, k - 1)[:k] if k > 0 else np.empty(0, np.int64)
-    top = top[np.argsort(-lp[top], kind="stable")]
-    out = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1)}
-    for t in top.tolist():
+    out = {token: Logprob(float(lp[token]), int(np.count_nonzero(lp > lp[token])) + 1)}
+    if k == 0:
+        return out
+    top = top_k(lp, k)
+    values = lp[top]
+    # every value above one of the k largest is among them: a top token's rank counts the top
+    for t, v in zip(top.tolist(), values.tolist()):
         if t not in out:
-            out[t] = Logprob(float(lp[t]), int((lp > lp[t]).sum()) + 1)
+            out[t] = Logprob(v, int(np.count_nonzero(values > v)) + 1)
     return out
+
+
+_TOP_K_BLOCK = 64
+
+
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values of x [V] (1 <= k <= V), largest first, ties by index.
+    Only values at or above the k-th largest of the maxima of 64-value blocks can be among
+    them (k blocks have a value that high), so a vocabulary-sized row is partitioned over a
+    few candidates instead of all of it."""
+    cand = np.arange(len(x))
+    blocks = len(x) // _TOP_K_BLOCK
+    if blocks > k:
+        maxima = x[: blocks * _TOP_K_BLOCK].reshape(blocks, _TOP_K_BLOCK).max(axis=1)
+        cand = np.flatnonzero(x >= np.partition(maxima, blocks - k)[blocks - k])
+    order = np.lexsort((cand, -x[cand]))[:k]
+    return cand[order]
 
 
 def prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int], k: int) -> list:
