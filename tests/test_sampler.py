@@ -183,3 +183,28 @@ def test_top_k_and_ranks_against_a_full_sort(decimals):
         for t, entry in got.items():
             assert entry.logprob == float(x[t])
             assert entry.rank == int((x > x[t]).sum()) + 1
+
+
+def test_log_softmax_by_chunks_is_one_pass_bit_for_bit(monkeypatch):
+    from ort_lora.engine import sampler
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((37, 1000)) * 4).astype(np.float32)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    want = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    nxt = rng.integers(0, 1000, 37)
+    whole = prompt_logprobs(x, nxt, 3)
+    monkeypatch.setattr(sampler, "_SCRATCH_BYTES", 4 * 1000 * 5)  # 5 rows a chunk
+    got = [(start, lp.copy()) for start, lp in sampler.log_softmax_chunks(x)]
+    assert [start for start, _ in got] == list(range(0, 37, 5))
+    assert np.array_equal(np.concatenate([lp for _, lp in got]), want)
+    assert prompt_logprobs(x, nxt, 3) == whole
+    asks = SamplingParams(temperature=0, logprobs=2)
+    rows = rows_of(asks, 6) + rows_of(SamplingParams(temperature=0)) + rows_of(asks, 6)
+    out = sample(x[:13], rows, rng)
+    for i, row in enumerate(want[:13]):
+        if i == 6:
+            assert out.logprobs[i] is None
+        else:
+            assert out.sampled_logprobs[i] == float(row[out.token_ids[i]])
+            assert set(out.logprobs[i]) == {int(out.token_ids[i]), *np.argsort(-row)[:2].tolist()}
