@@ -89,3 +89,20 @@ def test_optimum_is_compared_without_a_goal():
         ("decode-heavy: ort-lora mixed / Optimum merged per adapter (grouped)", 8.0, 1.0, None)
     ]
     assert "| 8.00 | 1.00 | - | - |" in targets_table(rows)
+
+
+def test_memory_targets_for_every_shape():
+    results = []
+    for shape, peak in (("decode-heavy", 1000.0), ("prefill-heavy", 1200.0)):
+        row = dict(experiment=f"systems/{shape}", output_tok_s=1.0, output_tok_per_cpu_s=1.0)
+        extra = {"model_mb": 500.0, "pool_mb": 400.0}
+        ours = {**row, "label": "ort-lora HTTP mixed", "peak_rss_mb": peak, "extra": extra}
+        genai = {**row, "label": "onnxruntime-genai base", "peak_rss_mb": 400.0, "extra": {}}
+        results += [ours, genai]
+    got = {t[0]: t[1:] for t in targets(results, ["decode-heavy", "prefill-heavy"])}
+    budget = "HTTP peak RSS / (model + pool + 300 MB) (<=)"
+    assert got[f"decode-heavy: {budget}"] == (1000 / 1200, None, 1.0)
+    assert got[f"prefill-heavy: {budget}"] == (1.0, None, 1.0)
+    genai = "HTTP peak RSS less the pool / genai base peak (<=)"
+    assert got[f"decode-heavy: {genai}"] == (1.5, None, 1.5)
+    assert got[f"prefill-heavy: {genai}"] == (2.0, None, 1.5)

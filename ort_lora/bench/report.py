@@ -97,7 +97,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
         distinct = find(results, "popularity", "ort-lora distinct")
         what = f"{regs[-1]['num_adapters']} registered vs distinct adapters in the batch"
         out.append((what, *_both(regs[-1], distinct), 0.95))
-    out += _scale_and_memory(results)
+    out += _scale_and_memory(results, shapes)
     out += _quant(results, shapes)
     pre = find(results, "prefill", "ort-lora base prefill")
     if pre is not None:
@@ -196,7 +196,7 @@ def _quant(results: list[dict], shapes: list[str]) -> list[tuple]:
     return out
 
 
-def _scale_and_memory(results: list[dict]) -> list[tuple]:
+def _scale_and_memory(results: list[dict], shapes: list[str]) -> list[tuple]:
     out = []
     scale = {r["label"]: r for r in rows_of(results, "scale") if "error" not in r}
     uniform = next((r for k, r in scale.items() if k.startswith("ort-lora uniform")), None)
@@ -204,22 +204,19 @@ def _scale_and_memory(results: list[dict]) -> list[tuple]:
     if uniform is not None and base is not None:
         model = uniform["label"].split("(")[-1].rstrip(")")
         out.append((f"{model}: LoRA cost uniform / base", *_both(uniform, base), 0.85))
-    http = find(results, "systems/decode-heavy", "ort-lora HTTP mixed")
-    if http is not None and "model_mb" in http["extra"]:
+    for shape in shapes:  # the memory goal holds for every shape served, prefill included
+        http = find(results, f"systems/{shape}", "ort-lora HTTP mixed")
+        if http is None or "model_mb" not in http["extra"]:
+            continue
         e = http["extra"]
         budget = e["model_mb"] + e["pool_mb"] + 300
-        out.append(
-            (
-                "HTTP peak RSS / (model + pool + 300 MB) (<=)",
-                http["peak_rss_mb"] / budget,
-                None,
-                1.0,
-            )
-        )
-        genai = find(results, "systems/decode-heavy", "onnxruntime-genai base")
+        what = f"{shape}: HTTP peak RSS / (model + pool + 300 MB) (<=)"
+        out.append((what, http["peak_rss_mb"] / budget, None, 1.0))
+        genai = find(results, f"systems/{shape}", "onnxruntime-genai base")
         if genai is not None:
             ratio = (http["peak_rss_mb"] - e["pool_mb"]) / genai["peak_rss_mb"]
-            out.append(("HTTP peak RSS less the pool / genai base peak (<=)", ratio, None, 1.5))
+            what = f"{shape}: HTTP peak RSS less the pool / genai base peak (<=)"
+            out.append((what, ratio, None, 1.5))
     return out
 
 
