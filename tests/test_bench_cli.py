@@ -170,3 +170,21 @@ def test_genai_multilora_logits_match_peft(quick_run):
         with torch.no_grad():
             want = peft(torch.from_numpy(ids)).logits[0, -1].numpy()  # [vocab]
         np.testing.assert_allclose(gen.get_logits()[0, -1], want, atol=1e-4, rtol=1e-4)
+
+
+def test_bench_tools_refuse_bad_input_with_a_message(tmp_path, capsys):
+    from ort_lora.bench import profile
+
+    assert output.main([str(tmp_path)]) == 2
+    assert "has no results.json" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text('{"results": 3}')
+    assert output.main([str(tmp_path)]) == 2
+    assert "is not a bench run's results" in capsys.readouterr().err
+    assert profile.main([str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the spec" in capsys.readouterr().err
+    (tmp_path / "spec.json").write_text('{"label": "x"}')  # not a spec's fields
+    assert profile.main([str(tmp_path / "spec.json")]) == 2
+    assert "cannot read the spec" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        profile.main(["--help"])
+    assert exit_.value.code == 0

@@ -11,7 +11,9 @@ row = {label, system, experiment, workload, num_requests, num_adapters, duration
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from ort_lora.bench import cluster, plan, plots, report
@@ -153,7 +155,29 @@ def rewrite(out: Path) -> list[Path]:
     return write_outputs(out, doc["results"], doc["meta"], shapes)
 
 
-if __name__ == "__main__":  # python -m ort_lora.bench.output RESULTS_DIR
-    import sys
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ort_lora.bench.output RESULTS_DIR`: rewrite a run's report and plots."""
+    p = argparse.ArgumentParser(
+        prog="python -m ort_lora.bench.output",
+        description="Write report.md, the plots and the targets of an `ort-lora bench` run "
+        "again from its results.json (after a change to the report).",
+    )
+    p.add_argument("results_dir", type=Path, help="the run's --out directory")
+    args = p.parse_args(argv)
+    if not (args.results_dir / "results.json").is_file():
+        print(f"ort-lora bench output: {args.results_dir} has no results.json", file=sys.stderr)
+        return 2
+    try:
+        paths = rewrite(args.results_dir)
+    except (ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
+        where = args.results_dir / "results.json"
+        print(
+            f"ort-lora bench output: {where} is not a bench run's results: {exc!r}", file=sys.stderr
+        )
+        return 2
+    print("\n".join(str(path) for path in paths))
+    return 0
 
-    print("\n".join(str(p) for p in rewrite(Path(sys.argv[1]))))
+
+if __name__ == "__main__":
+    sys.exit(main())

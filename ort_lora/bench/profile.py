@@ -8,6 +8,7 @@ summary JSON in OUT_DIR (default: the spec's directory).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -51,14 +52,26 @@ def profile(spec: RunSpec, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (1, 2):
-        print("usage: python -m ort_lora.bench.profile SPEC.json [OUT_DIR]", file=sys.stderr)
+    p = argparse.ArgumentParser(
+        prog="python -m ort_lora.bench.profile",
+        description="Rerun one saved ort-lora spec with ONNX Runtime's profiler; time per op type.",
+    )
+    p.add_argument("spec", type=Path, help="a saved spec, e.g. docs/bench/specs/00-*.json")
+    p.add_argument("out_dir", type=Path, nargs="?", help="default: the spec's directory")
+    args = p.parse_args(argv)
+    spec_path = args.spec
+    try:
+        spec = RunSpec.read(spec_path)
+    except (OSError, ValueError, TypeError) as exc:  # missing, not JSON, not a spec's fields
+        print(f"ort-lora bench profile: cannot read the spec {spec_path}: {exc}", file=sys.stderr)
         return 2
-    spec_path = Path(argv[0])
-    out_dir = Path(argv[1]) if len(argv) == 2 else spec_path.parent
+    if spec.system != "ort-lora":
+        print(f"ort-lora bench profile: {spec_path} is a {spec.system!r} spec; "
+              "profile runs ort-lora specs", file=sys.stderr)  # fmt: skip
+        return 2
+    out_dir = args.out_dir or spec_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = profile(RunSpec.read(spec_path), out_dir)
+    summary = profile(spec, out_dir)
     total = sum(summary["op_s"].values())
     print(f"{summary['label']}: ORT kernel time {total:.2f} s (warm-up steps included)")
     for op, s in list(summary["op_s"].items())[:12]:
