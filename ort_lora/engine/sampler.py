@@ -226,11 +226,12 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
     Only values at or above the k-th largest of the maxima of 64-value blocks can be among
     them (k blocks have a value that high), so a vocabulary-sized row is partitioned over a
     few candidates instead of all of it."""
-    cand = np.arange(len(x))
     blocks = len(x) // _TOP_K_BLOCK
     if blocks > k:
         maxima = x[: blocks * _TOP_K_BLOCK].reshape(blocks, _TOP_K_BLOCK).max(axis=1)
         cand = np.flatnonzero(x >= np.partition(maxima, blocks - k)[blocks - k])
+    else:
+        cand = np.arange(len(x))
     order = np.lexsort((cand, -x[cand]))[:k]
     return cand[order]
 
