@@ -1,5 +1,5 @@
 """Which export should `ort-lora serve` run by default: float32 or int4, and with which adapter
-rows (issue 13)?
+rows?
 
     python bench/bench_default_model.py --out docs/bench/default_model.json
     python bench/bench_default_model.py --variants int4,int4-int8rows --out ...

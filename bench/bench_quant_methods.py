@@ -1,5 +1,5 @@
 """How close an int4 export of a float checkpoint stays to it: round-to-nearest against
-HQQ-style refinement (`ort-lora export --weights int4 --extra quant_method=rtn|hqq`, issue 13).
+HQQ-style refinement (`ort-lora export --weights int4 --extra quant_method=rtn|hqq`).
 
     python bench/bench_quant_methods.py --checkpoint .cache/bench/smollm2/hf \\
         --out docs/bench/quant_methods.json

@@ -1,4 +1,4 @@
-"""DoRA vs plain LoRA and 2 composed adapters vs 1, in one engine each, in steady state (issue 15).
+"""DoRA vs plain LoRA and 2 composed adapters vs 1, in one engine each, in steady state.
 
 `ort-lora bench --experiments variants` times each row once, in a fresh engine, from the first
 step: the adapters' first pool loads are in its time, and on a shared machine its rows, minutes

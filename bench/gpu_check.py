@@ -32,10 +32,11 @@ Exit codes:
   3  NOT VERIFIED: nothing failed, but a section was skipped (e.g. e2e without
      CUDAExecutionProvider); --allow-skip makes this 0
 
-On the device machine (onnxruntime there is the CPU build): stage onnxruntime-gpu with
-../shared/gpu/stage-onnxruntime-gpu.sh, run the line it prints (it installs the wheel into
-/tmp/site and sets PYTHONPATH), carry build/cp311-cp311-linux_x86_64/ort_headers/root/usr/include
-and run this with --out-dir $OUT; then copy the two files into docs/gpu/. About 3 to 5 minutes.
+On a GPU machine: replace the CPU onnxruntime with onnxruntime-gpu in the venv
+(`.venv/bin/pip uninstall -y onnxruntime && .venv/bin/pip install onnxruntime-gpu`), build the
+project once (or pass --ort-include) so that build/*/ort_headers holds ONNX Runtime's headers,
+and run this with the venv's python; docs/CUDA.md, "Running the GPU check", has the details.
+About 3 to 5 minutes.
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ def build(args) -> dict:
     headers = glob.glob(str(ROOT / "build/*/ort_headers/**/onnxruntime_c_api.h"), recursive=True)
     inc = args.ort_include or (str(Path(headers[0]).parent) if headers else "")
     if not inc:
-        raise FileNotFoundError("no ORT headers: carry build/*/ort_headers or pass --ort-include")
+        raise FileNotFoundError(
+            "no ORT headers in build/*/ort_headers: build the project once (pip install -e .) "
+            "or pass --ort-include DIR"
+        )
     bdir = Path(args.build_dir)
     cfg = ["cmake", "-S", str(ROOT), "-B", str(bdir), f"-DORT_INCLUDE_DIR={inc}",
            f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DCMAKE_BUILD_TYPE=Release",
@@ -197,7 +201,7 @@ def e2e(args) -> dict:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise Skipped(
             f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install "
-            "onnxruntime-gpu: ../shared/gpu/stage-onnxruntime-gpu.sh); end to end NOT checked"
+            "onnxruntime-gpu in place of onnxruntime: docs/CUDA.md); end to end NOT checked"
         )
     return check_end_to_end(Path(tempfile.mkdtemp(prefix="ort_lora_e2e_")), STATE["models"])
 

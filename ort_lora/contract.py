@@ -1,4 +1,4 @@
-"""The graph contract between the exporter and the engine (see ../shared/DESIGN.md).
+"""The graph contract between the exporter and the engine (overview: docs/DESIGN.md).
 
 Input and output names of an exported model, the LoRA target modules, and the manifest that
 describes an exported model directory. Pure data: imports neither onnxruntime nor torch.

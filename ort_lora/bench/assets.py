@@ -196,7 +196,7 @@ def genai_available() -> str | None:
         import onnx_ir  # noqa: F401
         import onnxruntime_genai  # noqa: F401
     except ImportError as exc:
-        return f"onnxruntime-genai systems skipped: {exc} (pip install 'ort-lora[bench]')"
+        return f"onnxruntime-genai systems skipped: {exc} (pip install -e '.[bench]')"
     return None
 
 

@@ -24,7 +24,7 @@ EXPERIMENT = "cluster"
 def unavailable() -> str | None:
     """Why the cluster system cannot run here (None: it can)."""
     if importlib.util.find_spec("ray") is None:
-        return "ort-lora-ray (cluster) skipped: ray is not installed (pip install 'ort-lora[ray]')"
+        return "ort-lora-ray (cluster) skipped: ray is not installed (pip install -e '.[ray]')"
     return None
 
 

@@ -6,7 +6,7 @@ popularity  ort-lora on Punica's patterns (distinct, uniform, skewed, identical)
 trace       S-LoRA's trace (Gamma arrivals) on the engine and through the HTTP server
 registered  ort-lora as the number of registered adapters grows
 prefill     ort-lora base-only prefill (1 output token), with the machine's sgemm rate
-quant       int4 base weights (issue 13), both shapes: ort-lora int4 mixed and base,
+quant       int4 base weights, both shapes: ort-lora int4 mixed and base,
             onnxruntime-genai's int4 CPU export (base only) and ort-lora float32 mixed and
             base, alternated; decode-heavy also `ort-lora serve` on the int4 export (memory)
 scale       a bigger model (full run: a random Llama-3.2-1B-shaped checkpoint): ort-lora
@@ -18,7 +18,7 @@ grammar     ort-lora with every request's output under a JSON schema of its own,
             the same requests unconstrained (the cost of grammar masking per step)
 variants    ort-lora on the uniform pattern (decode-heavy) with plain LoRA adapters, the same
             adapters as DoRA adapters, every request composing 2 of them (weight 0.5 each),
-            and base, alternated (issue 15: DoRA's and a second adapter's cost)
+            and base, alternated (DoRA's and a second adapter's cost)
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Scale:
     cluster: dict | None = None  # the Ray cluster's trace and replicas (None: no cluster runs)
 
 
-# Issue 7's shapes exactly: targets are stated at 8 prompt + 64 new tokens (decode-heavy) and
-# 64 + 32 (prefill-heavy). Popularity and registered runs use the decode-heavy shape.
+# The shapes the benchmark's targets are stated at (docs/BENCHMARKS.md): 8 prompt + 64 new
+# tokens (decode-heavy) and 64 + 32 (prefill-heavy). Popularity and registered runs use the
+# decode-heavy shape.
 FULL = Scale(
     num_requests=32,
     num_adapters=16,

@@ -63,9 +63,9 @@ def _both(a: dict | None, b: dict | None) -> tuple[float | None, float | None]:
 
 
 def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
-    """(what, measured by wall clock, measured by CPU time or None, goal) for each target of
-    issues 7 and 19 the run can check; a name ending "(<=)" is an upper bound, a goal of None
-    a comparison without one."""
+    """(what, measured by wall clock, measured by CPU time or None, goal) for each target the
+    run can check (docs/BENCHMARKS.md, "Targets"); a name ending "(<=)" is an upper bound, a
+    goal of None a comparison without one."""
     out = []
     for shape in shapes:
         exp = f"systems/{shape}"
@@ -78,7 +78,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
             ("ort-lora base", "vLLM base", 1.1),
             # the most the mixed row could reach if LoRA cost ort-lora nothing: no goal
             ("ort-lora base", "vLLM mixed", None),
-            # the ORT user's route (issue 19): compared, no goal set
+            # the ORT user's route today (one merged export per adapter): compared, no goal set
             ("ort-lora mixed", "Optimum merged per adapter (grouped)", None),
             ("ort-lora base", "Optimum base", None),
         ):
@@ -112,7 +112,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
 
 
 def _grammar(results: list[dict]) -> list[tuple]:
-    """Issue 12: the cost of grammar masking with every running sequence under its own JSON
+    """The cost of grammar masking with every running sequence under its own JSON
     schema, as a share of the constrained step: the step time added over the same requests
     unconstrained, and the masks' wait that the model's run did not hide. Each from the
     fastest of its runs (the least disturbed on a shared machine)."""
@@ -137,10 +137,10 @@ def _grammar(results: list[dict]) -> list[tuple]:
 
 
 def _variants(results: list[dict]) -> list[tuple]:
-    """Issue 15, from the fastest run of each row (the least disturbed on a shared machine):
-    DoRA within 5 % of plain LoRA's throughput; 2 composed adapters per request cost one more
-    adapter's LoRA part, no more: time(2) <= 2 time(1) - time(base), i.e. the throughput ratio
-    2 / 1 >= 1 / (2 - LoRA / base)."""
+    """DoRA and composition, from the fastest run of each row (the least disturbed on a shared
+    machine): DoRA within 5 % of plain LoRA's throughput; 2 composed adapters per request cost
+    one more adapter's LoRA part, no more: time(2) <= 2 time(1) - time(base), i.e. the
+    throughput ratio 2 / 1 >= 1 / (2 - LoRA / base)."""
     from ort_lora.bench.plan import VARIANT_ROWS
 
     best = {}
@@ -173,7 +173,7 @@ def phases_table(rows: list[dict]) -> str:
 
 
 def _quant(results: list[dict], shapes: list[str]) -> list[tuple]:
-    """Issue 13's targets: int4 base vs float32 base (decode-heavy) and vs onnxruntime-genai's
+    """The int4 targets: int4 base vs float32 base (decode-heavy) and vs onnxruntime-genai's
     int4 base, int4 mixed (16 adapters) vs genai int4 base; the int4 server's peak RSS."""
     out = []
     for shape in shapes:

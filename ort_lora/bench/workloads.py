@@ -11,9 +11,9 @@ times (rate, coefficient of variation), adapter chosen uniformly at random, prom
 lengths drawn uniformly from ranges.
 Prompts are random token ids from the upper part of the vocabulary (no special tokens), and
 every request generates exactly max_tokens tokens (EOS ignored) so systems do the same work.
-Structured outputs (issue 12): each request's output follows a JSON schema of its own
+Structured outputs: each request's output follows a JSON schema of its own
 (`json_schema_workload`); it ends when the schema's object is complete or at max_tokens.
-Composition (issue 15): each request runs with k adapters at weight 1/k (`composed_workload`).
+Composition: each request runs with k adapters at weight 1/k (`composed_workload`).
 """
 
 from __future__ import annotations

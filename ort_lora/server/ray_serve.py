@@ -28,7 +28,9 @@ from ort_lora.server.ray_directory import AdapterDirectory
 from ort_lora.server.ray_metrics import install_cluster_metrics
 from ort_lora.server.ray_replica import LoraReplica
 
-INSTALL_HINT = "ort-lora serve --ray needs Ray Serve: pip install 'ort-lora[ray]'"
+INSTALL_HINT = (
+    "ort-lora serve --ray needs Ray Serve: pip install -e '.[ray]' in the ort-lora checkout"
+)
 
 
 class LoraIngress:
