@@ -86,7 +86,9 @@ def cluster():
         yield c
 
 
-def serve_args(export, root, *extra) -> list[str]:
+def serve_args(export, root, *extra, adapter_root=None) -> list[str]:
+    """The CLI's arguments: MODELS' adapters from `root`, --adapter-root `adapter_root` (by
+    default `root`)."""
     modules = [f"{name}={root / name}" for name in MODELS if name]
     return [
         str(export),
@@ -99,7 +101,7 @@ def serve_args(export, root, *extra) -> list[str]:
         "--num-pages",
         str(ENGINE["num_pages"]),
         "--adapter-root",
-        str(root),
+        str(adapter_root or root),
         "--log-level",
         "warning",
         "--lora-modules",
@@ -337,6 +339,22 @@ class TestTwoReplicas:
             "Ray replaces the killed replica",
         )
         assert [complete(served, c)[0]["text"] for c in cases] == want
+
+
+def test_lora_modules_outside_the_adapter_root(
+    tiny_llama_export, adapter_root, reference, cluster, tmp_path
+):
+    """docs/SCALE_OUT.md's quick start: --lora-modules adapters from outside --adapter-root
+    are served, as by the single-process server (the root governs run-time loads only); a
+    run-time load from outside it is still refused."""
+    (elsewhere := tmp_path / "runtime_adapters").mkdir()
+    args = serve_args(tiny_llama_export, adapter_root, adapter_root=elsewhere)
+    with cluster.serve(args) as url:
+        cases = [body(m, PROMPTS[0]) for m in MODELS if m]
+        assert [complete(url, c) for c in cases] == [complete(reference, c) for c in cases]
+        load = {"lora_name": "late", "lora_path": str(adapter_root / "a3")}
+        r = httpx.post(url + "/v1/load_lora_adapter", json=load, timeout=TIMEOUT)
+        assert r.status_code == 403 and "outside the adapter root" in r.text
 
 
 def affinity(url: str) -> dict[str, dict[str, dict[str, float]]]:

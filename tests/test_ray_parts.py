@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import pickle
 from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -474,6 +475,127 @@ def test_client_cancels_a_stream_left_early(rng, make_client):
     client = make_client(handle)
     assert len(collect(client, None, until=1)) == 1
     assert handle.streams[0].cancelled and handle.options_seen[0]["multiplexed_model_id"] == ""
+
+
+# ---- --lora-modules outside --adapter-root -----------------------------------------------------
+
+
+class ReplicaHandle:
+    """handle.options(...).generate.remote(...) -> an in-process replica's own stream."""
+
+    def __init__(self, replica):
+        self.replica = replica
+
+    def options(self, **options):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, *args):
+        return ReplicaStream(self.replica.generate(*args))
+
+
+class ReplicaStream:
+    """A DeploymentResponseGenerator over the replica's generator."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __aiter__(self):
+        return self.items
+
+    def cancel(self):
+        pass  # the client leaves a stream early only after an error: the replica's last item
+
+
+@pytest.fixture
+def make_replica(monkeypatch):
+    """async make(config) -> a started LoraReplica outside Ray: Serve's multiplexed loader is
+    a plain cache, and there is no adapter directory to report to."""
+    pytest.importorskip("ray", reason="the replica imports Ray Serve")
+    import ray
+    from ray import serve
+
+    from ort_lora.server.ray_replica import LoraReplica
+
+    def multiplexed(max_num_models_per_replica):
+        def wrap(load):
+            held = {}
+
+            async def get(name):
+                if name not in held:
+                    held[name] = await load(name)
+                return held[name]
+
+            return get
+
+        return wrap
+
+    def no_directory(*args, **kwargs):
+        raise ValueError("no adapter directory in this test")
+
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id="r0"))
+    monkeypatch.setattr(serve, "multiplexed", multiplexed)
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr(ray, "get_actor", no_directory)
+
+    class Replica(LoraReplica):
+        def __del__(self):  # Ray awaits LoraReplica's async __del__; garbage collection would not
+            pass
+
+        async def stop(self):
+            await LoraReplica.__del__(self)
+
+    async def make(config: RayServeConfig) -> Replica:
+        replica = Replica.__new__(Replica)
+        await replica.__init__(config)  # as Ray Serve builds it: an async __init__
+        return replica
+
+    return make
+
+
+def test_lora_modules_outside_the_adapter_root_are_served(
+    tiny_llama_export, tiny_qv_adapter, tmp_path, make_replica
+):
+    """As in the single-process server, --adapter-root governs adapters loaded at run time
+    only: a --lora-modules adapter outside it (docs/SCALE_OUT.md's quick start) is registered
+    on the replica and served; a run-time adapter there is refused by the ingress's client
+    and by the replica."""
+    from ort_lora.adapters.errors import AdapterPathError
+    from ort_lora.server.ray_client import ReplicaClient
+
+    (root := tmp_path / "root").mkdir()
+    outside = str(tiny_qv_adapter)
+    config = RayServeConfig(
+        model_dir=str(tiny_llama_export),
+        lora_modules=[("qv", outside)],
+        adapter_root=str(root),
+        engine_options=dict(intra_op_num_threads=1),
+    )
+    static, late = LoRARequest("qv", 1, outside), LoRARequest("late", 2, outside)
+
+    async def run():
+        replica = await make_replica(config)
+        try:
+            client = ReplicaClient(ReplicaHandle(replica), None, config, max_model_len=64)
+            client._set_loras([static], version=1)  # the directory's start-up adapters
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            outs = [o async for o in client.generate([1, 2], params, static, "r1")]
+            with pytest.raises(APIError, match="outside the adapter root") as refused:
+                async for _ in client.generate([1, 2], params, late, "r2"):
+                    pass
+            with pytest.raises(AdapterPathError):
+                client.add_lora(late)  # /v1/load_lora_adapter's check on the ingress
+            return outs, refused.value, replica.engine.list_loras()
+        finally:
+            await replica.stop()
+
+    outs, refused, registered = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert refused.status == 400
+    assert registered == [static]
 
 
 # ---- the KubeRay manifest ----------------------------------------------------------------------

@@ -48,7 +48,8 @@ class ReplicaClient:
         self.max_model_len = max_model_len
         self.max_queued_requests = config.max_queued_requests
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
-        # checks adapter files as the engine would (reads and converts, keeps nothing)
+        # checks run-time adapters' files (inside the adapter root; reads and converts, keeps
+        # nothing); --lora-modules adapters never come here: the directory starts with them
         manifest = ModelManifest.load(config.model_dir)
         self._checker = AdapterRegistry(manifest, 1, config.adapter_root)
         self._handle = handle

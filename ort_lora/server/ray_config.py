@@ -13,7 +13,8 @@ class RayServeConfig:
     """One ort-lora application on a Ray cluster.
 
     model_dir:        the exported model; every node must see it at this path
-    lora_modules:     (name, path) adapters served from the start (paths seen by every node)
+    lora_modules:     (name, path) adapters served from the start (paths seen by every node);
+                      the operator's own, so adapter_root does not apply to them
     engine_options:   each replica's engine (EngineConfig fields, device, intra_op_num_threads)
     num_replicas:     replicas of the engine deployment
     max_adapters_per_replica: adapters one replica keeps registered (Ray's multiplexed LRU)
@@ -21,7 +22,9 @@ class RayServeConfig:
     replica_max_ongoing: requests Ray sends one replica at once (more wait in Ray's queue)
     multiplexed:      route adapter requests by adapter (False: Ray's default routing; the
                       benchmark's and the affinity test's baseline)
-    adapter_root, max_queued_requests: as for the single-process server
+    adapter_root:     where adapters loaded at run time (/v1/load_lora_adapter) must lie; as
+                      for the single-process server, it governs only those
+    max_queued_requests: as for the single-process server
     app_options:      the ingress app's other create_app keywords (api_key,
                       served_model_name, ...: `ort-lora serve`'s flags of the same names)
     app_name:         the Ray Serve application; also names the adapter directory actor
@@ -57,3 +60,11 @@ class RayServeConfig:
     def directory_name(self) -> str:
         """The adapter directory actor's name (namespace DIRECTORY_NAMESPACE)."""
         return f"{self.app_name}:adapters"
+
+    def root_for(self, name: str, path: str) -> str | None:
+        """The directory adapter `name`'s files at `path` must lie in: None for a
+        --lora-modules adapter (trusted, as the single-process server trusts them), else
+        adapter_root (an adapter loaded at run time)."""
+        if (name, str(path)) in {(n, str(p)) for n, p in self.lora_modules}:
+            return None
+        return self.adapter_root

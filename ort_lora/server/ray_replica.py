@@ -7,7 +7,9 @@ The ingress (ray_client.py) calls it through a DeploymentHandle with
 already hold it. Ray's `@serve.multiplexed` loader (`_load`) registers the adapter in this
 engine; when Ray evicts it (LRU, `max_adapters_per_replica`), it is unregistered, once the
 requests still using it here have ended (ray_residency.py keeps that bookkeeping). Base-model
-requests carry no model id and go to any replica.
+requests carry no model id and go to any replica. As in the single-process server,
+--adapter-root governs adapters loaded at run time only (checked again here when one is
+registered); --lora-modules adapters are registered wherever they lie.
 
 Errors: a request's error is streamed back as a ReplicaError (the HTTP error it maps to); the
 replica goes on serving the others. An engine that stopped (repeated faults) fails Ray's
@@ -24,8 +26,10 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
 from ort_lora.adapters.errors import AdapterNotFoundError
+from ort_lora.adapters.registry import resolve_adapter_dir
 from ort_lora.engine.async_engine import AsyncEngine
 from ort_lora.lora_request import LoRARequest
 from ort_lora.sampling_params import SamplingParams
@@ -55,9 +59,9 @@ class LoraReplica:
         from ray import serve
 
         self.config = config
+        # no adapter_root here: it governs run-time adapters only, checked in _add_lora
         self.engine = AsyncEngine.from_model_dir(
             config.model_dir,
-            adapter_root=config.adapter_root,
             max_queued_requests=config.max_queued_requests,
             **config.engine_options,
         )
@@ -152,8 +156,17 @@ class LoraReplica:
             if needed:
                 await self._await_drained(lora.lora_name)
                 # files are read and checked on a worker thread, as the server's add_lora
-                await asyncio.to_thread(self.engine.add_lora, lora)
+                await asyncio.to_thread(self._add_lora, lora)
                 self.adapters.did_register(lora)
+
+    def _add_lora(self, lora: LoRARequest) -> None:
+        """Register `lora` in the engine. An adapter loaded at run time must lie inside the
+        adapter root (the ingress checked it at load; its files may have moved since);
+        --lora-modules adapters are the operator's own, as in the single-process server."""
+        root = self.config.root_for(lora.lora_name, lora.lora_path)
+        if root is not None:
+            resolve_adapter_dir(lora.lora_path, Path(root))
+        self.engine.add_lora(lora)
 
     async def _unregister(self, name: str) -> None:
         async with self._lock:
