@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from importlib.metadata import version
 
 SUBCOMMANDS = {
     "export": ("ort_lora.export.cli", "Export a Hugging Face checkpoint or GGUF file to ONNX"),
@@ -13,7 +14,7 @@ SUBCOMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: ort-lora {" + ",".join(SUBCOMMANDS) + "} ...", "", "commands:"]
+    lines = ["usage: ort-lora [--version] {" + ",".join(SUBCOMMANDS) + "} ...", "", "commands:"]
     lines += [f"  {name:8s} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"ort-lora {version('ort-lora')}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"ort-lora: unknown command '{name}'\n\n{usage()}", file=sys.stderr)

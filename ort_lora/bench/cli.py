@@ -30,7 +30,9 @@ ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS)) + plan.CLU
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ort-lora bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="ort-lora bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="tiny random model, small workloads")
     p.add_argument("--model", choices=["smollm2", "tiny"], help="default: tiny with --quick")
     p.add_argument("--out", default="results/bench", help="results directory")
@@ -233,7 +235,7 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
             models, adapters = built[run["model"]]["models"], built[run["model"]]["adapters"]
         if run["experiment"] in ("registered", "cluster"):  # many names, files linked
             adapters = assets.many_adapters(adapters, built["cache"], run["workload"].num_adapters)
-        if run["options"].get("dora"):  # the same adapters, as DoRA adapters (issue 15)
+        if run["options"].get("dora"):  # the same adapters, as DoRA adapters
             hf, cache, n = models["hf"], built["cache"], len(adapters)
             adapters = assets.random_adapters(hf, cache, n, args.rank, args.seed, dora=True)
         spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)

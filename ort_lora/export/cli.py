@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     )
     quant = json.loads((out / MANIFEST_NAME).read_text()).get("quantization") or {}
     checked = "" if not quant else " on its dequantized weights, accuracy_level 0"
-    diff = verify_export(args.model, out, accuracy_level=0 if quant else None, **size)
+    level = 0 if quant else None
+    diff = verify_export(args.model, out, accuracy_level=level, progress=not args.quiet, **size)
     ok = diff <= tol
     print(
         f"verify: max |logits - transformers{checked}| = {diff:.3g} (tolerance {tol:g}): "

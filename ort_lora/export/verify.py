@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,11 +88,18 @@ def compare_greedy(reference, runner, prompt: list[int], steps: int) -> float:
 
 
 def verify_export(
-    model_path, out_dir, *, num_prompts: int = 3, steps: int = 8, accuracy_level=None
+    model_path,
+    out_dir,
+    *,
+    num_prompts: int = 3,
+    steps: int = 8,
+    accuracy_level=None,
+    progress: bool = False,
 ) -> float:
     """Max |logits diff| between the export in out_dir and transformers on model_path
     (a quantized export: on its dequantized weights). accuracy_level: run a quantized
-    export's MatMulNBits at this level instead of the recorded one (0: float inputs)."""
+    export's MatMulNBits at this level instead of the recorded one (0: float inputs).
+    progress: say on stderr what it is doing (loading the reference takes a while)."""
     from ort_lora.contract import ModelManifest
     from ort_lora.engine.model_runner import ModelRunner
     from ort_lora.export.quant_reference import use_exported_weights
@@ -103,12 +111,26 @@ def verify_export(
         raise ExportError(f"--verify runs on CPU; this export is for device {manifest.device}")
     prompts = _prompt_ids(out_dir, manifest.vocab_size, num_prompts)
     pages = max(-(-(len(p) + steps) // manifest.block_size) for p in prompts)
+    say = _progress_printer(progress)
+    say(f"loading {Path(model_path).name} in transformers (the reference)")
     reference = load_reference(model_path)
     use_long_rope_factors(reference, manifest.max_position_embeddings)
     use_exported_weights(reference, out_dir, manifest, emulate=False)  # quantized: its numbers
     with at_accuracy_level(out_dir, accuracy_level) as model_dir:
         runner = ModelRunner(ModelSession(model_dir, num_pages=pages))
-        return max(compare_greedy(reference, runner, p, steps) for p in prompts)
+        worst = 0.0
+        for i, p in enumerate(prompts):
+            say(f"prompt {i + 1}/{len(prompts)}: prefill + {steps} paged decode steps")
+            worst = max(worst, compare_greedy(reference, runner, p, steps))
+        return worst
+
+
+def _progress_printer(on: bool):
+    def say(message: str) -> None:
+        if on:
+            print(f"verify: {message}", file=sys.stderr, flush=True)
+
+    return say
 
 
 @contextlib.contextmanager

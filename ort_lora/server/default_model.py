@@ -125,8 +125,18 @@ def demo_adapters() -> dict[str, Path]:
 
 @contextlib.contextmanager
 def _locked(path: Path):
+    """Hold an exclusive lock on `path`; if another process holds it (exporting the same
+    entry), say so before waiting for it."""
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"ort-lora: waiting for another ort-lora process to finish exporting the "
+                f"default model into {path.parent} (lock {path.name})",
+                file=sys.stderr,
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
