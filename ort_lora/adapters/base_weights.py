@@ -150,12 +150,12 @@ class ExportedWeights:
         source = self._index().get((layer, module))
         if source is None:
             raise AdapterError(
-                f"{self.model_dir / MODEL_NAME}: no LoraSGMV node for {module} in layer {layer}"
+                f"the exported {MODEL_NAME}: no LoraSGMV node for {module} in layer {layer}"
             )
         if isinstance(source, str):
             raise AdapterError(
                 f"the base weight of {module} in layer {layer} cannot be read back from "
-                f"{self.model_dir / MODEL_NAME}: {source}"
+                f"the exported {MODEL_NAME}: {source}"
             )
         return source.rows(start, stop)
 
@@ -177,7 +177,11 @@ class _GraphIndex:
         try:
             graph = onnx.load(str(path), load_external_data=False).graph
         except Exception as e:  # a missing or unreadable file, a protobuf decode error
-            raise AdapterError(f"cannot read {path} for DoRA's base weights: {e}") from None
+            # the model directory is the server's: neither it nor onnx's message is shown
+            raise AdapterError(
+                f"cannot read the exported {MODEL_NAME} for DoRA's base weights "
+                f"({type(e).__name__})"
+            ) from None
         self.nodes = list(graph.node)
         self.producer = {out: node for node in self.nodes for out in node.output}
         self.inits = {t.name: t for t in graph.initializer}
@@ -279,12 +283,16 @@ class _GraphIndex:
         info = {e.key: e.value for e in t.external_data}
         path = (self.model_dir / info["location"]).resolve()
         if not path.is_relative_to(self.model_dir) or not path.is_file():
-            raise AdapterError(f"initializer {t.name}: external data {path} is not in the model")
+            raise AdapterError(
+                f"initializer {t.name}: external data {info['location']!r} is not in the model"
+            )
         dtype = np.dtype(_STORED[t.data_type])
         offset, shape = int(info.get("offset", 0)), tuple(t.dims)
         length = int(np.prod(shape)) * dtype.itemsize
         if int(info.get("length", length)) != length or offset + length > path.stat().st_size:
-            raise AdapterError(f"initializer {t.name}: external data out of {path}'s bounds")
+            raise AdapterError(
+                f"initializer {t.name}: external data out of {info['location']!r}'s bounds"
+            )
         return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 

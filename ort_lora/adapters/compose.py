@@ -13,20 +13,22 @@ output for one adapter, and PEFT defines no composition of them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from ort_lora import contract as C
 from ort_lora.adapters.errors import CompositionError
+from ort_lora.lora_request import shown, weight_problem
 
 Terms = Sequence[tuple[int, float]]  # (adapter slot or id, weight), in order
 
 
 def check_weights(terms: Terms, names: Sequence[str], max_adapters: int | None) -> None:
     """CompositionError naming the problem: no adapter, more than max_adapters, an adapter twice, a
-    weight that is not a finite number. names[i] names terms[i]'s adapter."""
+    weight that is not a number (a bool, a string) or not finite or |weight| > MAX_WEIGHT
+    (lora_request.weight_problem: LoraSGMV reads weights as float32). names[i] names terms[i]'s
+    adapter."""
     if not terms:
         raise CompositionError("a composition names no adapter: expected one or more")
     if max_adapters is not None and len(terms) > max_adapters:
@@ -39,10 +41,9 @@ def check_weights(terms: Terms, names: Sequence[str], max_adapters: int | None) 
         if key in seen:
             raise CompositionError(f"adapter {name!r} appears twice in one composition")
         seen.add(key)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise CompositionError(f"adapter {name!r}: weight {weight!r} is not a number")
-        if not math.isfinite(weight):
-            raise CompositionError(f"adapter {name!r}: weight {weight!r} is not finite")
+        problem = weight_problem(weight)
+        if problem is not None:
+            raise CompositionError(f"adapter {name!r}: weight {shown(weight)} {problem}")
 
 
 def is_plain(terms: Terms) -> bool:
@@ -53,7 +54,8 @@ def is_plain(terms: Terms) -> bool:
 def segment_inputs(segments: Sequence[Terms], dora_slots: set[int]) -> dict[str, np.ndarray]:
     """lora_seg_slots int32 [S] and lora_comp_segs / lora_comp_slots int32 [E],
     lora_comp_weights float32 [E] for every segment's (slot, weight) terms (base rows: no
-    terms). ValueError for a composed segment holding a DoRA slot or a weight not finite."""
+    terms). ValueError for a composed segment holding a DoRA slot or a weight out of range
+    (check_weights refuses such requests before they are queued)."""
     seg_slots = np.full(len(segments), -1, np.int32)
     comp: list[tuple[int, int, float]] = []
     for s, terms in enumerate(segments):
@@ -63,8 +65,9 @@ def segment_inputs(segments: Sequence[Terms], dora_slots: set[int]) -> dict[str,
         for slot, weight in terms:
             if slot in dora_slots:
                 raise ValueError(f"segment {s} composes the DoRA adapter in slot {slot}")
-            if not math.isfinite(weight):
-                raise ValueError(f"segment {s}: weight {weight!r} of slot {slot} is not finite")
+            problem = weight_problem(weight)
+            if problem is not None:
+                raise ValueError(f"segment {s}: weight {shown(weight)} of slot {slot} {problem}")
             comp.append((s, slot, float(weight)))
     return {C.LORA_SEG_SLOTS: seg_slots, **composition_entries(comp)}
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ort_lora.adapter_rows import served
+from ort_lora.adapters.bounds import check_dora
 from ort_lora.adapters.errors import AdapterError
 
 if TYPE_CHECKING:
@@ -42,13 +43,19 @@ def weight_norm(rows, a: np.ndarray, bt: np.ndarray, scale: float) -> np.ndarray
     return norms
 
 
-def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, row_type: str | None = None) -> None:
+def dora_scale_rows(
+    adapter: HostAdapter,
+    base: BaseWeights,
+    row_type: str | None = None,
+    storage: str = "float32",
+) -> None:
     """Set every DoRA module's `dora` rows: D = m / ||W + s B A||_row - 1, float32
     [num_layers, out], 0 in layers without LoRA on the module; the magnitudes are dropped.
     row_type: A and B are served as rows of this type (manifest adapter_dtype: bfloat16 or
     int8 rounding, adapter_rows.served), so the norm is that of the rows served. AdapterError
     names the module and layer whose base weight cannot be read or whose scale is not finite
-    (a zero norm, a magnitude not finite)."""
+    (a zero norm, a magnitude not finite) or out of range (bounds.check_dora; storage: the
+    type the rows are stored in, bounds.storage_type)."""
     for module, w in adapter.modules.items():
         if w.magnitude is None:
             continue
@@ -74,5 +81,6 @@ def dora_scale_rows(adapter: HostAdapter, base: BaseWeights, row_type: str | Non
                     f"{bad[0]}: magnitude {w.magnitude[layer, bad[0]]} / weight norm "
                     f"{norm[bad[0]]} is not finite"
                 )
+            check_dora(f"DoRA adapter {adapter.name!r}", module, layer, g, storage)
             d[layer] = g - 1.0
         w.dora, w.magnitude = d, None

@@ -19,20 +19,23 @@ from pathlib import Path
 
 import numpy as np
 
+from ort_lora.adapters.bounds import check_module, scale_problem, storage_type
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.fused import module_dims, module_parts, split_fused
-from ort_lora.adapters.peft_config import PeftLoraConfig, read_config
+from ort_lora.adapters.peft_config import CONFIG_NAME, PeftLoraConfig, read_config
 from ort_lora.adapters.safetensors_io import SafetensorsFile
 from ort_lora.contract import LORA_MODULES, ModelManifest
 
 WEIGHTS_NAME = "adapter_model.safetensors"
+KNOWN_MODULES = (*LORA_MODULES, "qkv_proj", "gate_up_proj")  # modules an error may name
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # base_model.model.<key>.lora_{A,B}[.<adapter name>].weight, and DoRA's
 # base_model.model.<key>.lora_magnitude_vector[.<adapter name>][.weight]; key ends in
-# layers.<l>.<block>.<m>
+# layers.<l>.<block>.<m>. The file's names are its contents: errors describe a tensor by the
+# module and layer it was checked to be for (`_describe`), never by the name in the file.
 _TENSOR_RE = re.compile(
-    r"^(?:base_model\.model\.)?(?P<key>(?:.*\.)?layers\.(?P<layer>\d+)\.[^.]+\.(?P<module>[^.]+))"
+    r"^(?:base_model\.model\.)?(?P<key>(?:.*\.)?layers\.(?P<layer>\d{1,6})\.[^.]+\.(?P<module>[^.]+))"
     r"\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|lora_(?P<m>magnitude)_vector(?:\.[^.]+)??(?:\.weight)?)$"
 )
 
@@ -82,48 +85,72 @@ class HostAdapter:
         return any(w.dora is not None or w.magnitude is not None for w in self.modules.values())
 
 
-def resolve_weights(adapter_dir: Path) -> Path:
-    """The adapter's safetensors file; refuses pickle-only adapters (never unpickled)."""
+def resolve_weights(adapter_dir: Path, where: str = "adapter") -> Path:
+    """The adapter's safetensors file; refuses pickle-only adapters (never unpickled). where:
+    what errors call the adapter (never its resolved path: the server's layout)."""
     if adapter_dir.is_file():
         if adapter_dir.suffix in PICKLE_SUFFIXES:
             raise AdapterError(
-                f"{adapter_dir}: pickle weight files are refused; safetensors only "
+                f"{where}: pickle weight files are refused; safetensors only "
                 f"(pass the adapter directory holding {WEIGHTS_NAME})"
             )
-        raise AdapterError(f"{adapter_dir}: expected an adapter directory, got a file")
+        raise AdapterError(f"{where}: expected an adapter directory, got a file")
     if not adapter_dir.is_dir():
-        raise AdapterError(f"{adapter_dir}: adapter directory does not exist")
+        raise AdapterError(f"{where}: adapter directory does not exist")
     weights = adapter_dir / WEIGHTS_NAME
     if weights.is_file():
         return weights
-    pickles = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
+    if any(p.suffix in PICKLE_SUFFIXES for p in adapter_dir.iterdir()):
         raise AdapterError(
-            f"{adapter_dir}: weights only as pickle files {pickles}; safetensors only "
-            f"(re-save with save_pretrained(safe_serialization=True) to get {WEIGHTS_NAME})"
+            f"{where}: weights only as pickle files; safetensors only (re-save with "
+            f"save_pretrained(safe_serialization=True) to get {WEIGHTS_NAME})"
         )
-    raise AdapterError(f"{adapter_dir}: no {WEIGHTS_NAME}")
+    raise AdapterError(f"{where}: no {WEIGHTS_NAME}")
 
 
 def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) -> HostAdapter:
-    """Read, validate and convert a PEFT LoRA adapter directory; AdapterError on any problem."""
+    """Read, validate and convert a PEFT LoRA adapter directory; AdapterError on any problem,
+    naming the adapter, its file (by its name in the directory) and the rule broken, never
+    the directory's resolved path nor the file's bytes or tensor names."""
     adapter_dir = Path(adapter_dir)
-    weights = resolve_weights(adapter_dir)
-    config = read_config(adapter_dir)
-    with SafetensorsFile(weights) as f:  # names and shapes checked before any data is read
-        pairs = _pair_tensors(f.tensors, config, manifest, weights)
+    label = f"adapter {name!r}"
+    weights = resolve_weights(adapter_dir, label)
+    config = read_config(adapter_dir, f"{label}: {CONFIG_NAME}")
+    where = f"{label}: {WEIGHTS_NAME}"
+    with SafetensorsFile(weights, where) as f:  # names and shapes checked before any data
+        pairs = _pair_tensors(f.tensors, config, manifest, where)
         if not pairs:
-            raise AdapterError(f"{weights}: no LoRA tensors (expected names like {_example()})")
+            raise AdapterError(f"{where}: no LoRA tensors (expected names like {_example()})")
         views = {
             k: (key, f.view(a), f.view(b), None if m is None else f.view(m))
             for k, (key, a, b, m) in pairs.items()
         }
-        modules = _stack_modules(views, config, manifest)  # the one copy out of the map
+        modules = _stack_modules(views, config, manifest, where)  # the one copy out of the map
         del views
         if not all(_finite(w) for w in modules.values()):
-            f.check_finite(f.tensors)  # names the tensor
-            raise AdapterError(f"{weights}: holds NaN or inf values")
+            f.check_finite(_descriptions(pairs))  # names the tensor (by module and layer)
+            raise AdapterError(f"{where}: holds NaN or inf values")
+    for module, w in modules.items():
+        check_module(where, module, w, storage_type(manifest))
     return HostAdapter(name, adapter_dir, modules)
+
+
+_SUFFIX = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}
+
+
+def _describe(module: str, layer: int, kind: str) -> str:
+    """A tensor, by the module and layer its name was checked to be for (not its name)."""
+    return f"'layers.{layer}.{module}.{_SUFFIX[kind]}'"
+
+
+def _descriptions(pairs: dict) -> dict[str, str]:
+    """{tensor name in the file: its description} of every paired tensor."""
+    out = {}
+    for (module, layer), (_, a, b, m) in pairs.items():
+        out |= {a: _describe(module, layer, "A"), b: _describe(module, layer, "B")}
+        if m is not None:
+            out[m] = _describe(module, layer, "M")
+    return out
 
 
 def _finite(w: ModuleWeights) -> bool:
@@ -140,89 +167,110 @@ def _pair_tensors(tensors, config: PeftLoraConfig, manifest: ModelManifest, wher
     tensor's name and shape checked. tensors: name -> anything with a `.shape` (the file's
     header entries)."""
     parts: dict[tuple[str, int], dict[str, tuple[str, np.ndarray]]] = {}
-    for tname, t in tensors.items():
+    for i, (tname, t) in enumerate(tensors.items()):
         m = _TENSOR_RE.match(tname)
         if m is None:
             raise AdapterError(
-                f"{where}: tensor {tname!r} is not a LoRA A/B weight of a layer "
-                "(nor a DoRA magnitude)"
+                f"{where}: tensor #{i} of the header is not named as a LoRA A/B weight of a "
+                f"layer nor as a DoRA magnitude (expected names like {_example()})"
             )
         module, layer = m.group("module"), int(m.group("layer"))
-        _check_target(tname, m.group("key"), module, layer, config, manifest, where)
+        _check_target(i, m.group("key"), module, layer, config, manifest, where)
         parts.setdefault((module, layer), {})[m.group("ab") or "M"] = (tname, t)
     pairs = {}
     for (module, layer), ab in parts.items():
-        _check_complete(ab, config.use_dora, where)
+        _check_complete(ab, module, layer, config.use_dora, where)
         key = _TENSOR_RE.match(ab["A"][0]).group("key")
-        _check_shapes(ab, module, config.rank(key), manifest, where)
+        _check_shapes(ab, module, layer, config.rank(key), manifest, where)
         pairs[(module, layer)] = (key, ab["A"][0], ab["B"][0], ab.get("M", (None,))[0])
     return pairs
 
 
-def _check_complete(ab: dict, use_dora: bool, where: Path) -> None:
+def _check_complete(ab: dict, module: str, layer: int, use_dora: bool, where: str) -> None:
     """A and B, and a DoRA magnitude exactly when adapter_config.json says use_dora."""
-    name = next(iter(ab.values()))[0]
+    name = _describe(module, layer, next(iter(ab)))
     for half in ("A", "B"):
         if half not in ab:
-            raise AdapterError(f"{where}: tensor {name!r} has no matching lora_{half} tensor")
+            raise AdapterError(f"{where}: tensor {name} has no matching lora_{half} tensor")
     if use_dora and "M" not in ab:
         raise AdapterError(
-            f"{where}: tensor {ab['A'][0]!r} has no matching lora_magnitude_vector tensor "
-            "(adapter_config.json says use_dora: true)"
+            f"{where}: tensor {_describe(module, layer, 'A')} has no matching "
+            "lora_magnitude_vector tensor (adapter_config.json says use_dora: true)"
         )
     if not use_dora and "M" in ab:
         raise AdapterError(
-            f"{where}: tensor {ab['M'][0]!r} is a DoRA magnitude, but adapter_config.json says "
-            "use_dora: false"
+            f"{where}: tensor {_describe(module, layer, 'M')} is a DoRA magnitude, but "
+            "adapter_config.json says use_dora: false"
         )
 
 
-def _check_target(tname, key, module, layer, config, manifest, where) -> None:
+def _check_target(index, key, module, layer, config, manifest, where) -> None:
+    """index: the tensor's place in the header (its name is not shown: file contents)."""
     parts = module_parts(manifest, module)  # [module], or a fused module's parts (Phi-3)
+    supported = list(LORA_MODULES) + list(manifest.fused_modules)
     if any(p not in LORA_MODULES for p in parts):
+        known = module in KNOWN_MODULES  # a name we know is not file contents
         raise AdapterError(
-            f"{where}: tensor {tname!r} targets module {module!r}; supported LoRA modules are "
-            f"{list(LORA_MODULES) + list(manifest.fused_modules)}"
+            f"{where}: tensor #{index} of the header targets "
+            f"{f'module {module!r}' if known else 'a module'}; supported LoRA modules are "
+            f"{supported}"
         )
     if any(p not in manifest.lora_targets for p in parts):
         missing = ", ".join(repr(p) for p in parts if p not in manifest.lora_targets)
         raise AdapterError(
-            f"{where}: tensor {tname!r} targets {missing}, which the exported model does not "
-            f"target (exported LoRA targets: {sorted(manifest.lora_targets)}); re-export with it"
+            f"{where}: a tensor for {module!r} targets {missing}, which the exported model does "
+            f"not target (exported LoRA targets: {sorted(manifest.lora_targets)}); re-export "
+            "with it"
         )
     if not 0 <= layer < manifest.num_layers:
         raise AdapterError(
-            f"{where}: tensor {tname!r} is for layer {layer}; "
+            f"{where}: a tensor for {module} is for layer {layer}; "
             f"the model has layers 0..{manifest.num_layers - 1}"
         )
     if not config.targets(key):
         raise AdapterError(
-            f"{where}: tensor {tname!r} is for module {key!r}, which adapter_config.json "
+            f"{where}: a tensor is for {module} of layer {layer}, which adapter_config.json "
             f"(target_modules / layers_to_transform / exclude_modules) does not select"
         )
 
 
-def _check_shapes(ab, module, rank, manifest: ModelManifest, where) -> None:
+def _check_shapes(ab, module, layer, rank, manifest: ModelManifest, where) -> None:
     dims = module_dims(manifest, module)
-    (a_name, a), (b_name, b) = ab["A"], ab["B"]
+    a, b = ab["A"][1], ab["B"][1]
     if "M" in ab and tuple(ab["M"][1].shape) != (dims["out"],):
         raise AdapterError(
-            f"{where}: tensor {ab['M'][0]!r} has shape {list(ab['M'][1].shape)}; expected "
-            f"[out={dims['out']}] (a DoRA magnitude per output row of the module)"
+            f"{where}: tensor {_describe(module, layer, 'M')} has shape "
+            f"{list(ab['M'][1].shape)}; expected [out={dims['out']}] (a DoRA magnitude per "
+            "output row of the module)"
         )
     if tuple(a.shape) != (rank, dims["in"]):
         raise AdapterError(
-            f"{where}: tensor {a_name!r} has shape {list(a.shape)}; expected "
-            f"[r={rank}, in={dims['in']}] (rank from adapter_config.json, in from the model)"
+            f"{where}: tensor {_describe(module, layer, 'A')} has shape {list(a.shape)}; "
+            f"expected [r={rank}, in={dims['in']}] (rank from adapter_config.json, in from the "
+            "model)"
         )
     if tuple(b.shape) != (dims["out"], rank):
         raise AdapterError(
-            f"{where}: tensor {b_name!r} has shape {list(b.shape)}; expected "
-            f"[out={dims['out']}, r={rank}] (rank from adapter_config.json, out from the model)"
+            f"{where}: tensor {_describe(module, layer, 'B')} has shape {list(b.shape)}; "
+            f"expected [out={dims['out']}, r={rank}] (rank from adapter_config.json, out from "
+            "the model)"
         )
 
 
-def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest) -> dict:
+def _checked_scaling(config: PeftLoraConfig, key: str, module: str, layer: int, where) -> float:
+    """PEFT's scaling of the module: AdapterError naming the fields it comes from when it is
+    out of range (bounds.scale_problem: LoraSGMV multiplies it in float32)."""
+    scale = config.scaling(key)
+    problem = scale_problem(scale)
+    if problem is not None:
+        raise AdapterError(
+            f"{where}: {module} of layer {layer}: scaling {config.scaling_rule(key)} = "
+            f"{scale:.4g} {problem}"
+        )
+    return scale
+
+
+def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest, where) -> dict:
     pairs = split_fused(pairs, manifest)  # LoRA on fused modules onto their parts
     modules = {}
     num_layers = manifest.num_layers
@@ -245,7 +293,7 @@ def _stack_modules(pairs: dict, config: PeftLoraConfig, manifest: ModelManifest)
             w.a[layer, :r] = a
             w.bt[layer, :r] = b.T
             w.ranks[layer] = r
-            w.scales[layer] = config.scaling(key)
+            w.scales[layer] = _checked_scaling(config, key, module, layer, where)
             if m is not None:
                 w.magnitude[layer] = m
         modules[module] = w

@@ -9,7 +9,10 @@ Module keys are the base model's module names, as PEFT sees them, e.g.
 The file is untrusted: every field's type is checked, and its regular expressions (string
 target_modules / exclude_modules, pattern keys, layers_pattern) are compiled with the `regex`
 engine and matched under one time budget per adapter, so that a pathological pattern is a
-clear AdapterError, not a stalled server.
+clear AdapterError, not a stalled server. Numbers are checked in the type the kernel uses:
+lora_alpha (and alpha_pattern values) must be finite in float32; each module's scaling is
+bounded where the adapter is loaded (host.py, bounds.py). Errors name the file as the adapter
+directory holds it (`where`), never its resolved path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _REFUSED = {
     "lora_bias": (False, "LoRA bias terms are not supported"),
     "use_qalora": (False, "QALoRA is not supported"),
 }
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_RANK = 512  # LoraSGMV's largest rank (custom_ops/lora_sgmv)
 MAX_PATTERN_CHARS = 1000
 MATCH_BUDGET_S = 1.0  # all of one adapter's regex matching
@@ -49,7 +53,7 @@ _MUST_BE_EMPTY = (
 class Patterns:
     """An adapter's regular expressions, compiled once and matched under one time budget."""
 
-    def __init__(self, where: Path, budget_s: float = MATCH_BUDGET_S):
+    def __init__(self, where: str | Path, budget_s: float = MATCH_BUDGET_S):
         self.where = where
         self.left = budget_s
         self._compiled: dict[str, regex.Pattern] = {}
@@ -102,7 +106,7 @@ class PeftLoraConfig:
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     exclude_modules: list[str] | str | None = None
-    patterns: Patterns = field(default_factory=lambda: Patterns(Path("adapter_config.json")))
+    patterns: Patterns = field(default_factory=lambda: Patterns(CONFIG_NAME))
 
     def __post_init__(self):
         """Compile every regular expression now: a bad one fails the load, by field."""
@@ -141,6 +145,15 @@ class PeftLoraConfig:
     def scaling(self, key: str) -> float:
         r = self.rank(key)
         return self.alpha(key) / (math.sqrt(r) if self.use_rslora else r)
+
+    def scaling_rule(self, key: str) -> str:
+        """How scaling(key) is computed, naming the fields: 'lora_alpha / r = 16 / 8'."""
+        ak, rk = (self._pattern_key(p, key) for p in (self.alpha_pattern, self.rank_pattern))
+        alpha = f"alpha_pattern[{ak[:40]!r}]" if ak in self.alpha_pattern else "lora_alpha"
+        r = f"rank_pattern[{rk[:40]!r}]" if rk in self.rank_pattern else "r"
+        if self.use_rslora:
+            return f"{alpha} / sqrt({r}) = {self.alpha(key):.4g} / sqrt({self.rank(key)})"
+        return f"{alpha} / {r} = {self.alpha(key):.4g} / {self.rank(key)}"
 
     def _pattern_key(self, patterns: dict, key: str) -> str:
         for k in patterns:
@@ -183,56 +196,66 @@ def _as_list(value) -> list:
     return [value] if isinstance(value, str) else list(value)
 
 
-def read_config(adapter_dir: Path) -> PeftLoraConfig:
-    """Parse and validate adapter_dir/adapter_config.json; AdapterError names the bad field."""
-    path = adapter_dir / CONFIG_NAME
-    if not path.is_file():
-        raise AdapterError(f"{adapter_dir}: no {CONFIG_NAME} (not a PEFT adapter directory)")
+def read_config(adapter_dir: Path, where: str = CONFIG_NAME) -> PeftLoraConfig:
+    """Parse and validate adapter_dir/adapter_config.json; AdapterError names the bad field.
+    where: what errors call the file (e.g. "adapter 'sql': adapter_config.json")."""
+    if not (adapter_dir / CONFIG_NAME).is_file():
+        raise AdapterError(f"{where}: no such file (not a PEFT adapter directory)")
+    path = where  # errors name the file as `where` says, never the path it was read from
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads((adapter_dir / CONFIG_NAME).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # nested deeper than the parser's stack
+        raise AdapterError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: expected a JSON object")
     _refuse_unsupported(raw, path)
     return _build(raw, path)
 
 
-def _refuse_unsupported(raw: dict, path: Path) -> None:
+def _refuse_unsupported(raw: dict, path: str) -> None:
     peft_type = raw.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(
-            f"{path}: peft_type is {peft_type!r}; only 'LORA' adapters are supported"
+            f"{path}: peft_type is {_shown(peft_type)}; only 'LORA' adapters are supported"
         )
     for name, (ok, why) in _REFUSED.items():
         if raw.get(name, ok) not in (ok, None):
-            raise AdapterError(f"{path}: {name} is {raw[name]!r}: {why} (expected {ok})")
+            raise AdapterError(f"{path}: {name} is {_shown(raw[name])}: {why} (expected {ok})")
     for name in _MUST_BE_EMPTY:
         if raw.get(name):
-            raise AdapterError(f"{path}: {name} is {raw[name]!r}; expected null or empty")
+            raise AdapterError(f"{path}: {name} is {_shown(raw[name])}; expected null or empty")
     if raw.get("bias", "none") != "none":
-        raise AdapterError(f"{path}: bias is {raw['bias']!r}; only bias='none' is supported")
+        raise AdapterError(f"{path}: bias is {_shown(raw['bias'])}; only bias='none' is supported")
 
 
-def _build(raw: dict, path: Path) -> PeftLoraConfig:
+def _build(raw: dict, path: str) -> PeftLoraConfig:
     r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
     if not _is_int(r) or not 1 <= r <= MAX_RANK:
-        raise AdapterError(f"{path}: r must be an integer in [1, {MAX_RANK}], got {r!r}")
+        raise AdapterError(f"{path}: r must be an integer in [1, {MAX_RANK}], got {_shown(r)}")
     if not _is_number(alpha):
-        raise AdapterError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
+        raise AdapterError(
+            f"{path}: lora_alpha must be a finite number (in float32, |value| <= "
+            f"{FLOAT32_MAX:.4g}), got {_shown(alpha)}"
+        )
     tm = raw.get("target_modules")
     if not (isinstance(tm, str) or _str_list(tm)):
-        raise AdapterError(f"{path}: target_modules must be a string or a list, got {tm!r}")
+        raise AdapterError(f"{path}: target_modules must be a string or a list, got {_shown(tm)}")
     rank_pattern = _pattern_dict(raw, "rank_pattern", path)
     alpha_pattern = _pattern_dict(raw, "alpha_pattern", path)
     for k, v in rank_pattern.items():
         if not _is_int(v) or not 1 <= v <= MAX_RANK:
             raise AdapterError(
-                f"{path}: rank_pattern[{k!r}] must be an integer in [1, {MAX_RANK}], got {v!r}"
+                f"{path}: rank_pattern[{_shown(k)}] must be an integer in [1, {MAX_RANK}], got "
+                f"{_shown(v)}"
             )
     for k, v in alpha_pattern.items():
         if not _is_number(v):
-            raise AdapterError(f"{path}: alpha_pattern[{k!r}] must be a finite number, got {v!r}")
+            raise AdapterError(
+                f"{path}: alpha_pattern[{_shown(k)}] must be a finite number (in float32), got "
+                f"{_shown(v)}"
+            )
     return PeftLoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -251,18 +274,31 @@ def _build(raw: dict, path: Path) -> PeftLoraConfig:
     )
 
 
-def _pattern_dict(raw: dict, name: str, path: Path) -> dict:
+def _pattern_dict(raw: dict, name: str, path: str) -> dict:
     value = raw.get(name) or {}
     if not isinstance(value, dict):
-        raise AdapterError(f"{path}: {name} must be an object {{pattern: value}}, got {value!r}")
+        raise AdapterError(
+            f"{path}: {name} must be an object {{pattern: value}}, got {_shown(value)}"
+        )
     return dict(value)
 
 
-def _optional(raw: dict, name: str, path: Path, ok, what: str):
+def _optional(raw: dict, name: str, path: str, ok, what: str):
     value = raw.get(name)
     if value is not None and not ok(value):
-        raise AdapterError(f"{path}: {name} must be {what}, got {str(value)[:80]!r}")
+        raise AdapterError(f"{path}: {name} must be {what}, got {_shown(value)}")
     return value
+
+
+def _shown(value) -> str:
+    """A config value in an error, cut short (the file is the client's, but may be huge)."""
+    if isinstance(value, int) and value.bit_length() > 128:  # repr of a huge int may raise
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "a value nested too deeply"
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _is_int(v) -> bool:
@@ -270,7 +306,13 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A JSON number finite in float32 (LoraSGMV's arithmetic); a huge int is not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return abs(float(v)) <= FLOAT32_MAX
+    except OverflowError:
+        return False
 
 
 def _str_list(v) -> bool:

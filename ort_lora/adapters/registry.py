@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
+from ort_lora.adapters.bounds import storage_type
 from ort_lora.adapters.compose import check_weights, segment_inputs
 from ort_lora.adapters.dora import dora_scale_rows
 from ort_lora.adapters.errors import (
@@ -56,24 +57,36 @@ def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
     """The adapter directory, resolved (symlinks followed; a relative path is taken from
     `root` when given). With `root`, the directory and each file read from it must lie
     inside it (AdapterPathError); a path that cannot be resolved (a symlink loop, a NUL, a
-    name too long) is an AdapterError."""
+    name too long) is an AdapterError. Errors show the path as given (cut to 200 characters)
+    and the file's name in it, never where it resolves to nor the root (the server's layout)."""
+    shown = repr(str(path)[:200])
     try:
         where = Path(path).expanduser()
         if root is not None and not where.is_absolute():
             where = Path(root) / where
         resolved = where.resolve()
-        files = [(resolved / name).resolve() for name in (CONFIG_NAME, WEIGHTS_NAME)]
+        files = {name: (resolved / name).resolve() for name in (CONFIG_NAME, WEIGHTS_NAME)}
     except (OSError, RuntimeError, ValueError) as e:
-        raise AdapterError(f"adapter path {str(path)[:200]!r} cannot be resolved: {e}") from None
+        why = _unresolvable(e)
+        raise AdapterError(f"adapter path {shown} cannot be resolved: {why}") from None
     if root is not None:
         root = Path(root).resolve()
-        for p in [resolved, *files]:
+        for name, p in [("", resolved), *files.items()]:
             if not p.is_relative_to(root):
+                what = f"adapter path {shown}" + (f" (its {name})" if name else "")
                 raise AdapterPathError(
-                    f"adapter path {str(path)[:200]!r} resolves to {p}, outside the adapter "
-                    f"root {root}"
+                    f"{what} resolves outside the adapter root (symlinks are followed)"
                 )
     return resolved
+
+
+def _unresolvable(e: Exception) -> str:
+    """Why a path cannot be resolved, without the paths an OSError or RuntimeError names."""
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    if isinstance(e, RuntimeError):
+        return "a symlink loop"
+    return "it holds a NUL character" if "null" in str(e) else "not a valid path"
 
 
 def check_name(name: str) -> None:
@@ -138,8 +151,8 @@ class AdapterRegistry:
             return self.get(request.lora_int_id)
         if old is not None:
             raise AdapterError(
-                f"lora_int_id {request.lora_int_id} is already registered as {old.lora_name!r} "
-                f"({old.lora_path}); unregister it first"
+                f"lora_int_id {request.lora_int_id} is already registered as {old.lora_name!r}; "
+                "unregister it first"
             )
         if request.lora_name in self._ids:
             raise AdapterError(
@@ -260,9 +273,8 @@ class AdapterRegistry:
         adapter = self.load(request, rows)
         if not SlotLayout.of(adapter, self.manifest).same_as(self._layouts[aid]):
             raise AdapterError(
-                f"adapter {request.lora_name!r}: its files at {request.lora_path} changed since "
-                "it was registered (ranks, scales or targeted modules differ); unload and load "
-                "it again"
+                f"adapter {request.lora_name!r}: its files changed since it was registered "
+                "(ranks, scales or targeted modules differ); unload and load it again"
             )
         self._cache(aid, adapter)
         return adapter
@@ -286,7 +298,9 @@ class AdapterRegistry:
         try:
             adapter = load_adapter(request.lora_name, path, self.manifest)
         except OSError as e:  # unreadable, a directory where a file should be, too long
-            raise AdapterError(f"adapter {request.lora_name!r}: cannot read {path}: {e.strerror}")
+            raise AdapterError(
+                f"adapter {request.lora_name!r}: cannot read its files: {_unresolvable(e)}"
+            ) from None
         if (
             adapter.is_dora
             and dora_rows is not None
@@ -321,7 +335,9 @@ class AdapterRegistry:
                 f"adapter {adapter.name!r} is a DoRA adapter (use_dora): its scale needs the "
                 "base weights, and this registry has none (no model directory, no base_weights)"
             )
-        dora_scale_rows(adapter, self.base_weights, self.manifest.adapter_dtype)
+        dora_scale_rows(
+            adapter, self.base_weights, self.manifest.adapter_dtype, storage_type(self.manifest)
+        )
 
     def is_dora(self, name_or_id: str | int) -> bool:
         """Whether the registered adapter is a DoRA adapter (it cannot be composed)."""
@@ -334,7 +350,9 @@ class AdapterRegistry:
         ((int id, weight), ...), in order. CompositionError naming the problem: no adapter, more
         than max_loras, one twice, a weight not finite, an adapter not registered (or being
         unloaded: AdapterNotFoundError), a DoRA adapter (cannot be composed), an export without
-        composition. The adapters must be registered first (resolve / register)."""
+        composition. A weight must be a number (not a bool nor a string) with |weight| <=
+        lora_request.MAX_WEIGHT: LoraSGMV multiplies it, in float32, into the adapter's scale.
+        The adapters must be registered first (resolve / register)."""
         if "composition" not in self.manifest.lora_features:
             raise CompositionError(
                 "the exported model predates composition (its manifest's lora_features lacks "

@@ -10,7 +10,9 @@ is touched, a caller can check the shapes it expects first (`SafetensorsFile.ten
 takes views of the tensors (`view`) and copies them where they go: one copy out of the map,
 into memory allocated once (a temporary array per tensor costs more in first touches of its
 pages than the copy itself). `check_finite` names a tensor holding NaN or inf. Error messages
-name the file and the tensor, never show the file's bytes.
+name the file as the caller calls it (`where`: never the path it was opened by, the server's
+layout) and a header entry by its place in the header, never show the file's bytes (tensor
+names included).
 """
 
 from __future__ import annotations
@@ -51,15 +53,16 @@ class SafetensorsFile:
     """An open .safetensors file: `tensors` (the checked header), `read(name)`. A context
     manager; AdapterError on any malformed part."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, where: str | None = None):
         self.path = Path(path)
+        self.where = where or self.path.name
         with open(self.path, "rb") as f:
             size = f.seek(0, 2)
             if size < 8:
-                raise AdapterError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
+                raise AdapterError(f"{self.where}: not a safetensors file (shorter than 8 bytes)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self.tensors, self._data_start = _header(self._map, self.path)
+            self.tensors, self._data_start = _header(self._map, self.where)
         except BaseException:
             self._map.close()
             raise
@@ -82,17 +85,18 @@ class SafetensorsFile:
         raw = raw.reshape(info.shape)
         return bfloat16_bits_to_float32(raw) if info.dtype == "BF16" else raw
 
-    def check_finite(self, names) -> None:
-        """AdapterError naming the first of these tensors that holds NaN or inf."""
-        for name in names:
+    def check_finite(self, names: dict[str, str]) -> None:
+        """AdapterError naming the first of these tensors that holds NaN or inf. names: tensor
+        name -> how the error calls it (not by its name in the file: file contents)."""
+        for name, shown in names.items():
             v = self.view(name).astype(np.float32, copy=False)  # as served: 1e300 is inf
             bad = int(np.size(v) - np.isfinite(v).sum())
             del v
             if bad:
-                raise AdapterError(f"{self.path}: tensor {name!r} holds {bad} NaN or inf values")
+                raise AdapterError(f"{self.where}: tensor {shown} holds {bad} NaN or inf values")
 
 
-def _header(buf: mmap.mmap, path: Path) -> tuple[dict[str, TensorInfo], int]:
+def _header(buf: mmap.mmap, path: str) -> tuple[dict[str, TensorInfo], int]:
     (n,) = struct.unpack("<Q", buf[:8])
     if n > min(len(buf) - 8, MAX_HEADER_BYTES):
         raise AdapterError(f"{path}: not a safetensors file (its header length is invalid)")
@@ -104,32 +108,32 @@ def _header(buf: mmap.mmap, path: Path) -> tuple[dict[str, TensorInfo], int]:
         raise AdapterError(f"{path}: safetensors header must be a JSON object")
     data_len = len(buf) - 8 - n
     tensors = {
-        name: _entry(name, info, data_len, path)
-        for name, info in header.items()
+        name: _entry(f"#{i} of the header", info, data_len, path)
+        for i, (name, info) in enumerate(header.items())
         if name != "__metadata__"
     }
     return tensors, 8 + n
 
 
-def _entry(name: str, info, data_len: int, path: Path) -> TensorInfo:
+def _entry(name: str, info, data_len: int, path: str) -> TensorInfo:
+    """name: how errors call the entry (its place in the header, not its name in the file)."""
     if not isinstance(info, dict):
-        raise AdapterError(f"{path}: tensor {name!r} has a malformed header entry")
+        raise AdapterError(f"{path}: tensor {name} has a malformed header entry")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise AdapterError(
-            f"{path}: tensor {name!r} has dtype {str(dtype)[:16]!r}; expected one of "
-            f"{sorted(_DTYPES)}"
+            f"{path}: tensor {name} has a dtype that is not one of {sorted(_DTYPES)}"
         )
     if not _ints(shape, MAX_DIMS) or not _ints(offsets, 2, exact=True):
         raise AdapterError(
-            f"{path}: tensor {name!r}: shape must be a list of at most {MAX_DIMS} integers "
+            f"{path}: tensor {name}: shape must be a list of at most {MAX_DIMS} integers "
             ">= 0 and data_offsets a list of two integers >= 0"
         )
     begin, end = offsets
     count = int(np.prod(shape, dtype=object))  # exact: no overflow for hostile shapes
     if not begin <= end <= data_len or end - begin != count * _DTYPES[dtype].itemsize:
         raise AdapterError(
-            f"{path}: tensor {name!r} data range [{begin}, {end}) does not fit its shape "
+            f"{path}: tensor {name} data range [{begin}, {end}) does not fit its shape "
             f"{shape} x {dtype} or the file"
         )
     return TensorInfo(dtype, tuple(shape), begin, end)

@@ -62,6 +62,21 @@ def link_files_outside(d, outside):
         os.symlink(outside / "qv" / name, d / name)
 
 
+def scale_tensors(d, factor_a, factor_b):
+    """Every value finite in float32, the scaled product s B A not."""
+
+    def edit(tensors):
+        for k in tensors:
+            tensors[k] = tensors[k] * (factor_a if "lora_A" in k else factor_b)
+
+    edit_tensors(d, edit)
+
+
+def rename_first_to_secret(d):
+    """A tensor whose name (file contents) is a secret: it must not be echoed."""
+    edit_tensors(d, lambda t: t.update({SECRET: t.pop(first_a(t))}))
+
+
 def link_weights_to_secret(d, outside):
     (d / WEIGHTS).unlink()
     os.symlink(outside / "secret.txt", d / WEIGHTS)
@@ -91,6 +106,13 @@ CASES = {
     "rank_pattern a list": (lambda d: edit_config(d, rank_pattern=[1]), 400, "rank_pattern"),
     "alpha a string": (lambda d: edit_config(d, alpha_pattern={"q_proj": "x"}), 400, "alpha"),
     "alpha inf": (lambda d: edit_config(d, lora_alpha=float("inf")), 400, "lora_alpha"),
+    "alpha 1e308": (lambda d: edit_config(d, lora_alpha=1e308), 400, "lora_alpha must be a finite"),
+    "alpha 3e38": (lambda d: edit_config(d, lora_alpha=3e38), 400, "scaling lora_alpha / r"),
+    "alpha_pattern 1e30": (lambda d: edit_config(d, alpha_pattern={"q_proj": 1e30}), 400,
+                           "alpha_pattern['q_proj'] / r"),
+    "scaled product overflows": (lambda d: scale_tensors(d, 1, 1e30), 400, "could overflow"),
+    "scaled shrink overflows": (lambda d: scale_tensors(d, 1e36, 1e-36), 400, "could overflow"),
+    "tensor named as a secret": (rename_first_to_secret, 400, "not named as a LoRA"),
     "layers_to_transform text": (lambda d: edit_config(d, layers_to_transform="0"), 400,
                                  "layers_to_transform"),
     "exclude_modules a number": (lambda d: edit_config(d, exclude_modules=3), 400,
@@ -98,7 +120,9 @@ CASES = {
     "use_rslora text": (lambda d: edit_config(d, use_rslora="yes"), 400, "use_rslora"),
     "config not JSON": (lambda d: (d / CONFIG).write_text(SECRET), 400, "not valid JSON"),
     "config a list": (lambda d: (d / CONFIG).write_text("[1]"), 400, "JSON object"),
-    "header dtype": (lambda d: raw_header(d, {"x": {"dtype": "I64", "shape": [1],
+    "config deeper than JSON": (lambda d: (d / CONFIG).write_text("[" * 100_000 + "]" * 100_000),
+                                400, "nested too deeply"),
+    "header dtype": (lambda d: raw_header(d, {SECRET: {"dtype": "I64", "shape": [1],
                                                      "data_offsets": [0, 8]}}, b"\0" * 8),
                      400, "dtype"),
     "header offsets": (lambda d: raw_header(d, {"x": {"dtype": "F32", "shape": [1],
@@ -135,6 +159,8 @@ def test_hostile_adapter(served, outside, case):
     message = r.json()["error"]["message"]
     assert needle in message, message
     assert "SECRET" not in r.text and "root:x" not in r.text
+    for where in (served.root, outside):  # the server's layout: never shown
+        assert str(where) not in r.text, message
     listed = httpx.get(served.url + "/v1/models", timeout=30).json()["data"]
     assert name not in {m["id"] for m in listed}
     served.assert_serving()
@@ -157,4 +183,15 @@ def test_hostile_adapter_paths(served, outside, path, status):
         os.symlink(outside / "qv", served.root / "sneaky-dir")
     r = served.post("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": path})
     assert r.status_code == status, r.text
+    served.assert_serving()
+
+
+@pytest.mark.parametrize("weight", [1e308, 1e30, -1e4])
+def test_composed_weights_beyond_float32_or_max_weight_are_refused(served, weight):
+    """Finite as a float64 but not as the kernel's float32 (or absurd): 400 naming the weight,
+    before any step runs (a step would fail, or answer garbage with a 200)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "adapters": [{"name": "qv", "weight": weight}]}
+    r = served.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert "weight" in r.json()["error"]["message"]
     served.assert_serving()
