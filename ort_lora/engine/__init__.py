@@ -6,7 +6,9 @@ The loop, one `LLMEngine.step()` (the other modules' docstrings point here):
 
     plan = scheduler.schedule()          # a value: who runs which chunk, KV pages, adapter slots
     runner.load_adapters(plan)           # adapters placed this step: weights into their pages
-    logits = runner.run(plan)            # graph inputs from the plan, one ORT run
+    logits = runner.run(plan)            # graph inputs from the plan, one ORT run; should it
+                                         # raise: isolation.py reruns the plan in halves, fails
+                                         # the entries that fail alone, the rest go on
     sampled = sample(logits[sample rows], rows, rng)          # sampler.py, per-row settings
     postprocess: prompt logprobs, detokenize + stop rules (Completion.add_token),
                  done = scheduler.on_step_done(plan, tokens, stopped)   # length limits too

@@ -7,10 +7,14 @@ serializes the few direct calls (adapter registration) with the step; what cheap
 (the adapters served, the stats) is a snapshot the engine thread refreshes between steps, so
 they never wait for a step.
 
-Faults: one request's fault fails that request alone (LLMEngine.step). Should steps keep
-failing (LLMEngine.healthy turns false) or the loop itself break, the engine stops: every
-request it holds and every command still queued is answered with EngineUnavailable (503),
-and later calls get it at once.
+Faults: one request's fault fails that request alone (LLMEngine.step). A failed model run
+is isolated (engine/isolation.py): the step's entries are rerun in halves, only requests
+whose entries fail even alone end (500 with an error id), the others go on unchanged. A step
+counts as failed only when the model itself fails: no entry runs alone and neither does a
+minimal probe step (or a bug around the run), so no client can stop the engine. Should
+MAX_STEP_FAILURES steps in a row fail (LLMEngine.healthy turns false) or the loop itself
+break, the engine stops: every request it holds and every command still queued is answered
+with EngineUnavailable (503) saying why, later calls (and /health) get it at once.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ class AsyncEngine:
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; its failed requests get their errors. A fault escaping the step
-        counts as a failed step (LLMEngine.step_failures); too many stop the engine."""
+        counts as a failed step (LLMEngine.step_failures); too many in a row stop the
+        engine."""
         try:
             with self._lock:
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
@@ -118,14 +123,18 @@ class AsyncEngine:
         for rid, error in self.engine.take_failures():
             self._deliver(rid, error)
         if not self.engine.healthy:
-            self._shut_down(RuntimeError(f"{self.engine.step_failures} failed steps in a row"))
+            n = self.engine.step_failures
+            why = f"{n} steps in a row failed, not because of any one request"
+            self._shut_down(RuntimeError(f"{n} failed steps in a row"), why)
         return outputs
 
-    def _shut_down(self, cause: BaseException) -> None:
-        """Stop serving: answer every request held and every command queued (503)."""
+    def _shut_down(self, cause: BaseException, why: str = "its loop broke") -> None:
+        """Stop serving: answer every request held and every command queued (503, saying
+        `why`: a fixed text, never the cause's, which is logged)."""
         logged = internal_error(cause, "the engine loop")
         error = EngineUnavailable(
-            f"the engine stopped serving (internal error {logged.error_id}); restart the server"
+            f"the engine stopped serving: {why} (internal error {logged.error_id}); "
+            "restart the server"
         )
         self.error = error
         for rid in list(self._streams):

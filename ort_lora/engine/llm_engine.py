@@ -5,6 +5,7 @@ ort_lora/engine/__init__.py describes. Single-threaded: call every method from o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as SeqOf
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from ort_lora.adapters.host import HostAdapter
 from ort_lora.config import EngineConfig, fit_context
 from ort_lora.contract import ModelManifest
 from ort_lora.engine.grammar import Grammars
+from ort_lora.engine.isolation import isolate, probe
 from ort_lora.engine.model_runner import ModelRunner
 from ort_lora.engine.pool import PagePool
 from ort_lora.engine.request import (
@@ -34,13 +36,15 @@ from ort_lora.engine.sequence import Sequence
 from ort_lora.engine.stats import engine_stats
 from ort_lora.engine.step_plan import ScheduledSeq, StepPlan
 from ort_lora.engine.timing import StepTimes
+from ort_lora.errors import internal_error, logger
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.runtime.session import ModelSession
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.tokenizer import Tokenizer
 
-MAX_STEP_FAILURES = 3  # consecutive failed steps after which the engine is unhealthy
+# consecutive failed steps (the model itself fails: see _isolate) that make the engine unhealthy
+MAX_STEP_FAILURES = 3
 
 
 class LLMEngine:
@@ -81,7 +85,7 @@ class LLMEngine:
         self.grammars = Grammars(
             self.tokenizer.backend.to_str, self.manifest.vocab_size, self.eos_token_ids
         )
-        self.step_failures = 0  # consecutive steps whose model run (or bookkeeping) failed
+        self.step_failures = 0  # consecutive steps whose model (or bookkeeping) failed
 
     # ---- adapters ---------------------------------------------------------------------------
 
@@ -177,16 +181,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One turn of the loop (ort_lora/engine/__init__.py); the outputs of the requests
-        that advanced or finished. A fault fails the requests it concerns, not the engine."""
+        that advanced or finished. A fault fails the requests it concerns, not the engine:
+        a failed model run is isolated (engine/isolation.py) and the other entries go on."""
         plan = self._schedule()
         try:
             if plan.is_empty or not self._load_adapters(plan):
                 return []
             masks = self._start_masks(plan)  # grammar masks fill while ORT runs the graph
-            logits = self.runner.run(plan, self.times)  # [plan.num_logit_rows, vocab]
+            try:
+                logits = self.runner.run(plan, self.times)  # [plan.num_logit_rows, vocab]
+            except Exception as exc:
+                survivors = self._isolate(plan, exc)
+                if survivors is None:
+                    return []
+                plan, logits = survivors
             sampled = self._sample(plan, logits, masks)
             return self._postprocess(plan, logits, sampled)
-        except Exception as exc:  # in the step itself: every request of the plan fails
+        except Exception as exc:  # a bug around the run: every request of the plan fails
             return self._fail_step(plan, exc)
 
     def _schedule(self) -> StepPlan:
@@ -290,9 +301,29 @@ class LLMEngine:
         if reason is not NOT_STOPPED:
             stopped[e.completion_id] = reason
 
+    def _isolate(self, plan: StepPlan, exc: Exception) -> tuple[StepPlan, np.ndarray] | None:
+        """The model run of `plan` raised: fail the requests whose entries fail alone; the
+        plan of the others and their logits, None if none is left. A failed step (towards
+        MAX_STEP_FAILURES) only when no entry runs alone and neither does the probe step."""
+        logger.warning("a step of %d entries failed (%s); isolating", len(plan.entries), exc)
+        run = functools.partial(self.runner.run, times=self.times)
+        found = isolate(run, plan, exc)
+        for cid, error in found.failed.items():
+            self.tracker.fail_all([cid], error, f"the model run of {cid} (it fails alone)")
+        model_runs = bool(found.pieces) or self._probe(run)
+        self.step_failures = 0 if model_runs else self.step_failures + 1
+        return found.survivors(lambda cid: self.tracker.find(cid) is not None)
+
+    def _probe(self, run) -> bool:
+        """True if a minimal base-model step runs (engine/isolation.py: probe)."""
+        error = probe(run, self.pool, self.runner.block_size)
+        if error is not None:
+            internal_error(error, "the probe step (every entry of a failed step failed alone)")
+        return error is None
+
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
-        """The step itself failed (the model run, or a bug around it): every request in the
-        plan ends with one logged error; MAX_STEP_FAILURES in a row make the engine
+        """A fault around the model run (a bug in the step's bookkeeping): every request in
+        the plan ends with one logged error; MAX_STEP_FAILURES in a row make the engine
         unhealthy (AsyncEngine then answers everything 503)."""
         self.step_failures += 1
         self.tracker.fail_all([e.completion_id for e in plan.entries], exc, "engine step")

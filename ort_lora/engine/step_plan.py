@@ -3,7 +3,8 @@
 The scheduler returns a StepPlan; the model runner (model_runner.py) turns it into graph
 inputs with `build_metadata(plan, block_size)` (numpy only) and the adapter registry's
 per-module LoRA arrays for `plan.lora_slots` [(slot, adapter_id, pages)]. `base_plan` builds
-a plan by hand, for running the model without a scheduler (export --verify, tests).
+a plan by hand, for running the model without a scheduler (export --verify, tests);
+`sub_plan` one of some of a plan's entries (engine/isolation.py reruns a failed step's parts).
 
 Ordering: entries are sorted by adapter slot, base requests (slot -1) FIRST, so every
 adapter's tokens are one contiguous LoRA segment. Slots are 0..k-1 over this step's
@@ -137,6 +138,26 @@ def make_plan(
     slots = sorted(adapters, key=lambda a: a.slot)
     assert [a.slot for a in slots] == list(range(len(slots))), "adapter slots must be 0..k-1"
     return StepPlan(tuple(ordered), tuple(slots), tuple(preempted), tuple(prefetch))
+
+
+def sub_plan(plan: StepPlan, entries: Iterable[ScheduledSeq]) -> StepPlan:
+    """A plan of some of `plan`'s entries (fault isolation reruns parts of a failed step):
+    the adapters they use, renumbered 0..k-1 in slot order, none to load (the step loaded
+    them), no preemptions or prefetches; logits_offset set afresh."""
+    entries = list(entries)
+    used = sorted({s for e in entries for s in _slots_of(e)})
+    new = {old: i for i, old in enumerate(used)}
+    adapters = [replace(plan.adapters[old], slot=new[old], needs_load=False) for old in used]
+    moved = [
+        replace(e, slot=new.get(e.slot, e.slot), terms=tuple((new[s], w) for s, w in e.terms))
+        for e in entries
+    ]
+    return make_plan(moved, adapters)
+
+
+def _slots_of(e: ScheduledSeq) -> list[int]:
+    """The step's adapter slots an entry runs with (its own, or each composed term's)."""
+    return [e.slot] * (e.slot >= 0) + [s for s, _ in e.terms]
 
 
 def base_plan(*seqs: tuple, block_size: int) -> StepPlan:

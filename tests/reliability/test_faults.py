@@ -1,7 +1,11 @@
-"""Faults inside the engine (injected by the tests): a failed model step fails only that
-step's requests, a fault in one request's output only that request; steps that keep failing
-stop the engine, and then every request it held or receives is answered 503, none hangs.
-A model whose output layer is larger than its tokenizer samples a padding id and serves on."""
+"""Faults inside the engine (injected by the tests): a failed model step is isolated (its
+entries rerun in halves): a transient fault fails nobody, a request whose row makes the model
+raise fails alone, and however many such requests come the engine serves on; a fault in one
+request's output fails only that request; a model that keeps failing (even on the probe step
+no request reaches) stops the engine, and then every request it held or receives is answered
+503, none hangs, and /health says why.
+A model whose output layer is larger than its tokenizer samples a padding id and serves on.
+(tests/test_step_isolation.py checks the isolation itself on a busy batch.)"""
 
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ def in_threads(fn, args_list) -> list:
     return results
 
 
-def test_failed_model_step_fails_only_its_requests(served, monkeypatch):
+def test_a_model_step_that_fails_once_fails_nobody(served, monkeypatch):
+    """The rerun of the failed step's entry succeeds: the request returns its usual text."""
     session = served.engine.engine.runner.session
     run, calls = session.run, []
 
@@ -44,11 +49,52 @@ def test_failed_model_step_fails_only_its_requests(served, monkeypatch):
 
     monkeypatch.setattr(session, "run", fails_once)
     r = served.post("/v1/completions", {"model": served.base, **GREEDY})
-    assert r.status_code == 500, r.text
-    error = r.json()["error"]
-    assert error["code"] == "internal_error" and "internal error" in error["message"]
-    assert "injected" not in r.text and "RuntimeError" not in r.text  # logged, not sent
-    served.assert_serving()  # the next step and every later one succeed
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == served.reference and len(calls) > 1
+    served.assert_serving()
+
+
+def poison_prompts(monkeypatch, served, first_token: int) -> None:
+    """Make every model run raise, as a kernel would, that holds the first chunk of a prompt
+    starting with `first_token` (a hostile request's row)."""
+    runner = served.engine.engine.runner
+    run = runner.run
+
+    def faulty(plan, times=None):
+        if any(e.start_pos == 0 and e.token_ids[0] == first_token for e in plan.entries):
+            raise RuntimeError("injected: LoraSGMV found a non-finite weight")
+        return run(plan, times)
+
+    monkeypatch.setattr(runner, "run", faulty)
+
+
+def test_requests_that_make_the_model_fail_never_stop_the_engine(served, monkeypatch):
+    """More hostile requests in a row than MAX_STEP_FAILURES, each alone on an idle server
+    (every entry of its steps fails alone; the probe step runs): each gets a 500 with an
+    error id, and the server stays healthy with its greedy output unchanged."""
+    from ort_lora.engine.llm_engine import MAX_STEP_FAILURES
+
+    poison_prompts(monkeypatch, served, 250)
+    for adapter in [served.base, "qv", "mlp", served.base, "qv"][: MAX_STEP_FAILURES + 2]:
+        r = served.post("/v1/completions", {"model": adapter, **LONG, "prompt": [250, 1, 2]})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "internal_error" and "internal error" in error["message"]
+        assert "injected" not in r.text and "RuntimeError" not in r.text  # logged, not sent
+        assert httpx.get(served.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    served.assert_serving()
+
+
+def test_a_hostile_request_in_a_batch_fails_alone(served, monkeypatch):
+    """A hostile request sent with others: they return what they return alone."""
+    alone = served.post("/v1/completions", {"model": "qv", **LONG}).json()["choices"][0]
+    poison_prompts(monkeypatch, served, 250)
+    good = {"model": "qv", **LONG}
+    bad = {"model": "qv", **LONG, "prompt": [250, 1, 2]}
+    results = in_threads(served.post, [("/v1/completions", b) for b in [good, bad, good, bad]])
+    assert [r.status_code for r in results] == [200, 500, 200, 500], [r.text for r in results]
+    assert all(r.json()["choices"][0]["text"] == alone["text"] for r in results[::2])
+    served.assert_serving()
 
 
 def test_fault_in_one_request_fails_it_alone(served, monkeypatch):
@@ -76,9 +122,10 @@ def test_fault_in_one_request_fails_it_alone(served, monkeypatch):
 def test_steps_that_keep_failing_stop_the_engine_and_answer_everyone(
     tiny_llama_export, adapter_root, monkeypatch
 ):
-    """Every model step fails: the requests of the first failed steps get 500, then the
-    engine stops (3 in a row): every request still held, and every later one, gets 503.
-    One sequence per step, so that at most 3 of the 6 requests run in the 3 failed steps."""
+    """Every model run fails, the probe step's too: the requests of the first failed steps
+    get 500, then the engine stops (3 in a row): every request still held, and every later
+    one, gets 503, and /health says why. One sequence per step, so that at most 3 of the 6
+    requests run in the 3 failed steps."""
     with serve(tiny_llama_export, adapter_root, max_num_seqs=1) as served:
         session = served.engine.engine.runner.session
 
@@ -90,7 +137,9 @@ def test_steps_that_keep_failing_stop_the_engine_and_answer_everyone(
         results = in_threads(served.post, [("/v1/completions", body)] * 6)
         codes = [r.status_code for r in results]
         assert set(codes) <= {500, 503} and codes.count(503) >= 3, [r.text for r in results]
-        assert httpx.get(served.url + "/health", timeout=TIMEOUT_S).status_code == 503
+        health = httpx.get(served.url + "/health", timeout=TIMEOUT_S)
+        assert health.status_code == 503, health.text
+        assert "3 steps in a row failed, not because of any one request" in health.text
         later = served.post("/v1/completions", body)
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_unavailable"
         assert "injected" not in later.text
