@@ -69,6 +69,7 @@ class HostAdapter:
     name: str
     path: Path
     modules: dict[str, ModuleWeights] = field(default_factory=dict)
+    base_model: str | None = None  # what its config names as its base model
     _packings: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's cache
     _pool_rows: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's too
 
@@ -132,7 +133,7 @@ def load_adapter(name: str, adapter_dir: str | Path, manifest: ModelManifest) ->
             raise AdapterError(f"{where}: holds NaN or inf values")
     for module, w in modules.items():
         check_module(where, module, w, storage_type(manifest))
-    return HostAdapter(name, adapter_dir, modules)
+    return HostAdapter(name, adapter_dir, modules, config.base_model)
 
 
 _SUFFIX = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}

@@ -107,6 +107,7 @@ class PeftLoraConfig:
     layers_pattern: list[str] | str | None = None
     exclude_modules: list[str] | str | None = None
     patterns: Patterns = field(default_factory=lambda: Patterns(CONFIG_NAME))
+    base_model: str | None = None  # base_model_name_or_path: information only (base_model.py)
 
     def __post_init__(self):
         """Compile every regular expression now: a bad one fails the load, by field."""
@@ -271,7 +272,12 @@ def _build(raw: dict, path: str) -> PeftLoraConfig:
         layers_pattern=_optional(raw, "layers_pattern", path, _str_or_list, "a string or a list"),
         exclude_modules=_optional(raw, "exclude_modules", path, _str_or_list, "a string or list"),
         patterns=Patterns(path),
+        base_model=_optional(raw, "base_model_name_or_path", path, _is_str, "a string"),
     )
+
+
+def _is_str(value) -> bool:
+    return isinstance(value, str)
 
 
 def _pattern_dict(raw: dict, name: str, path: str) -> dict:

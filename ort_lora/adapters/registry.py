@@ -21,12 +21,14 @@ the caller frees the adapter's pool pages.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
+from ort_lora.adapters.base_model import base_model_mismatch
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
 from ort_lora.adapters.bounds import storage_type
 from ort_lora.adapters.compose import check_weights, segment_inputs
@@ -51,6 +53,8 @@ _MAX_STEP_ENTRIES = 1024
 # Adapter names: what an API `model` field, a metrics label and a log line carry safely. No
 # spaces, quotes, newlines or "+" (reserved to compose adapters), at most 128 characters.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+logger = logging.getLogger("ort_lora.adapters")
 
 
 def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
@@ -160,6 +164,9 @@ class AdapterRegistry:
                 f"{self._ids[request.lora_name]}"
             )
         adapter = adapter if adapter is not None else self.load(request)
+        other_base = base_model_mismatch(adapter.base_model, self.manifest.source)
+        if other_base is not None:
+            logger.warning("adapter %r: %s", request.lora_name, other_base)
         self._requests[request.lora_int_id] = request
         self._ids[request.lora_name] = request.lora_int_id
         self._layouts[request.lora_int_id] = SlotLayout.of(adapter, self.manifest)
