@@ -4,6 +4,7 @@ from ort_lora import LLM, SamplingParams, LoRARequest
 llm = LLM(model="out/smollm2", max_loras=4)
 outs = llm.generate(["Hi", "Hello"], SamplingParams(max_tokens=16),
                     lora_request=[None, LoRARequest("upper", 1, "adapters/upper")])
+replies = llm.chat([{"role": "user", "content": "Hi"}], lora_request=LoRARequest(...))
 """
 
 from __future__ import annotations
@@ -77,6 +78,31 @@ class LLM:
             self.engine.add_request(rid, _prompt_input(prompt), p, lora)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | list[LoRARequest] | None] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a
+        list of them, as vLLM's LLM.chat: each is rendered with `chat_template` (default: the
+        model's; sandboxed, chat_template.py) and generated as `generate` does, with the same
+        sampling_params and lora_request conventions."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                list(conversation), add_generation_prompt, chat_template,
+                **(chat_template_kwargs or {}),
+            )  # fmt: skip
+            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
