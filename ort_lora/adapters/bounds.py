@@ -28,7 +28,7 @@ import numpy as np
 from ort_lora.adapters.errors import AdapterError
 
 if TYPE_CHECKING:
-    from ort_lora.adapters.host import ModuleWeights
+    from ort_lora.adapters.module_weights import ModuleWeights
     from ort_lora.contract import ModelManifest
 
 # |s| = |lora_alpha / r| (rsLoRA: / sqrt(r)): PEFT's scalings are 0.1..a few hundred in practice

@@ -22,6 +22,7 @@ import numpy as np
 from ort_lora.adapters.bounds import check_module, scale_problem, storage_type
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.fused import module_dims, module_parts, split_fused
+from ort_lora.adapters.module_weights import ModuleWeights
 from ort_lora.adapters.peft_config import CONFIG_NAME, PeftLoraConfig, read_config
 from ort_lora.adapters.safetensors_io import SafetensorsFile
 from ort_lora.contract import LORA_MODULES, ModelManifest
@@ -38,28 +39,6 @@ _TENSOR_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<key>(?:.*\.)?layers\.(?P<layer>\d{1,6})\.[^.]+\.(?P<module>[^.]+))"
     r"\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|lora_(?P<m>magnitude)_vector(?:\.[^.]+)??(?:\.weight)?)$"
 )
-
-
-@dataclass
-class ModuleWeights:
-    """One target module's LoRA weights over all layers (see the module docstring)."""
-
-    a: np.ndarray  # [num_layers, max_rank, in]
-    bt: np.ndarray  # [num_layers, max_rank, out]
-    ranks: np.ndarray  # int32 [num_layers]
-    scales: np.ndarray  # float32 [num_layers]
-    magnitude: np.ndarray | None = None  # DoRA's m [num_layers, out] until dora is computed
-    dora: np.ndarray | None = None  # DoRA's D [num_layers, out]; None: not a DoRA module
-
-    @property
-    def max_rank(self) -> int:
-        return self.a.shape[1]
-
-    def layer_a(self, layer: int) -> np.ndarray:
-        return self.a[layer, : self.ranks[layer]]  # [r_l, in]
-
-    def layer_bt(self, layer: int) -> np.ndarray:
-        return self.bt[layer, : self.ranks[layer]]  # [r_l, out]
 
 
 @dataclass
