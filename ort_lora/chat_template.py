@@ -5,72 +5,34 @@ Templates render in a sandboxed jinja2 environment configured the way transforme
 does not escape HTML, `{% generation %}` blocks), so rendered prompts match it exactly.
 
 A template may come from a request (the server allows that only with
---trust-request-chat-template), so every render is bounded: at most MAX_TEMPLATE_OPS
-operations (attribute and item lookups, calls, `range` items), MAX_TEMPLATE_SECONDS of time
-and MAX_TEMPLATE_CHARS of output. Past a bound, or on any template error, the render stops
-with a ChatTemplateError that says which.
+--trust-request-chat-template), so every render is bounded (template_bounds.py): at most
+MAX_TEMPLATE_OPS operations, MAX_TEMPLATE_SECONDS of time, no value (string, list) longer
+than MAX_TEMPLATE_CHARS and no integer over MAX_TEMPLATE_INT_BITS, and at most
+MAX_TEMPLATE_CHARS of output, which must be valid Unicode (no lone surrogate). Past a bound,
+or on any template error, the render stops with a ChatTemplateError that says which.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ort_lora.template_bounds import MAX_TEMPLATE_CHARS, budget, check_size
+from ort_lora.template_sandbox import new_environment
 
 CONFIG_FILE = "tokenizer_config.json"
-MAX_TEMPLATE_OPS = 1_000_000
-MAX_TEMPLATE_SECONDS = 2.0
-MAX_TEMPLATE_CHARS = 4_000_000
+# Where a model or adapter directory keeps its chat template, in the order looked at.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", CONFIG_FILE)
 
 
 class ChatTemplateError(ValueError):
     """The chat template is missing, rejected the messages (its `raise_exception`), failed,
     or went past a bound of the render."""
-
-
-class _Budget(threading.local):
-    """What the render on this thread may still do (renders run on worker threads)."""
-
-    ops = -1  # < 0: no render under way
-    deadline = 0.0
-
-    def tick(self) -> None:
-        if self.ops < 0:
-            return
-        self.ops -= 1
-        if self.ops == 0:
-            raise jinja2.exceptions.SecurityError(
-                f"the template made over {MAX_TEMPLATE_OPS} operations"
-            )
-        if self.ops % 4096 == 0 and time.monotonic() > self.deadline:
-            raise jinja2.exceptions.SecurityError(f"the template ran over {MAX_TEMPLATE_SECONDS} s")
-
-
-_budget = _Budget()
-
-
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with every attribute / item lookup and call counted against the budget
-    (the positional-only names keep templates' own keyword arguments out of the way)."""
-
-    def getattr(self, obj, attribute, /):
-        _budget.tick()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj, argument, /):
-        _budget.tick()
-        return super().getitem(obj, argument)
-
-    def call(self, context, obj, /, *args, **kwargs):
-        _budget.tick()
-        return super().call(context, obj, *args, **kwargs)
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -88,82 +50,110 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _range(*args):
-    """The sandbox's range, each item counted."""
-    for i in jinja2.sandbox.safe_range(*args):
-        _budget.tick()
-        yield i
+def _strftime_now(fmt):
+    text = datetime.now().strftime(fmt)
+    check_size(len(text), "strftime_now")
+    return text
 
 
 @lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
-    env = _BoundedEnvironment(
+    env = new_environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["range"] = _range
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
 def render_chat_template(
     source: str, messages: list[dict], add_generation_prompt: bool, context: dict
 ) -> str:
-    """The prompt text; ChatTemplateError on a template error or past a bound."""
+    """The prompt text; ChatTemplateError on a template error, past a bound, or when the
+    text is not valid Unicode (a lone surrogate: no tokenizer could encode it)."""
     try:
         template = _compile_template(source)
     except jinja2.exceptions.TemplateError as exc:
-        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
-    _budget.ops, _budget.deadline = MAX_TEMPLATE_OPS, time.monotonic() + MAX_TEMPLATE_SECONDS
-    parts, size = [], 0
+        raise ChatTemplateError(f"chat template does not compile: {_short(exc)}") from exc
+    except RecursionError as exc:
+        raise ChatTemplateError("chat template does not compile: nested too deeply") from exc
+    budget.start()
     try:
-        stream = template.generate(
-            messages=messages, add_generation_prompt=add_generation_prompt, **context
-        )
-        for part in stream:
-            parts.append(part)
-            size += len(part)
-            if size > MAX_TEMPLATE_CHARS:
-                raise ChatTemplateError(f"chat template output exceeds {MAX_TEMPLATE_CHARS} chars")
-            _budget.tick()  # time is checked between output parts too
+        text = _render(template, messages, add_generation_prompt, context)
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template went past a bound: {_short(exc)}") from exc
     except jinja2.exceptions.TemplateError as exc:
-        raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+        raise ChatTemplateError(f"chat template rejected the messages: {_short(exc)}") from exc
     except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as exc:
         if isinstance(exc, ChatTemplateError):
             raise
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}") from exc
     finally:
-        _budget.ops = -1
+        budget.stop()
+    _check_unicode(text)
+    return text
+
+
+def _render(template, messages, add_generation_prompt, context) -> str:
+    parts, size = [], 0
+    stream = template.generate(
+        messages=messages, add_generation_prompt=add_generation_prompt, **context
+    )
+    for part in stream:
+        parts.append(part)
+        size += len(part)
+        if size > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(
+                f"chat template output exceeds {MAX_TEMPLATE_CHARS} chars (MAX_TEMPLATE_CHARS)"
+            )
+        budget.tick()  # time is checked between output parts too
     return "".join(parts)
 
 
-def read_chat_template(model_dir: str | Path) -> str | None:
-    """The chat template stored in `model_dir` (also used for adapter dirs), or None.
+def _short(exc: Exception, limit: int = 1000) -> str:
+    """An error's text as an API error can show it: a template's raise_exception may be long
+    or hold a lone surrogate (escaped here: a JSON body must be valid UTF-8)."""
+    text = str(exc)[: limit + 1].encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
 
-    Looks in chat_template.jinja, chat_template.json, then tokenizer_config.json; a dict of
-    named templates yields the one named "default"."""
-    model_dir = Path(model_dir)
-    if (model_dir / "chat_template.jinja").is_file():
-        return (model_dir / "chat_template.jinja").read_text()
-    template = None
-    if (model_dir / "chat_template.json").is_file():
-        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
-    elif (model_dir / CONFIG_FILE).is_file():
-        template = json.loads((model_dir / CONFIG_FILE).read_text()).get("chat_template")
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ChatTemplateError(
+            f"chat template output is not valid Unicode: a lone surrogate "
+            f"(U+{ord(text[exc.start]):04X}) at character {exc.start}"
+        ) from None
+
+
+def read_chat_template(model_dir: str | Path) -> str | None:
+    """The chat template stored in `model_dir` (a model's: the operator's files), or None.
+
+    Looks in TEMPLATE_FILES in order (the first present decides); a list of named templates
+    yields the one named "default". ValueError names a file of the wrong shape. Adapters'
+    files are read under stricter rules (server/adapter_templates.py)."""
+    for name in TEMPLATE_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            return template_in_file(name, path.read_text())
+    return None
+
+
+def template_in_file(name: str, text: str) -> str | None:
+    """The chat template held by the text of `name` (one of TEMPLATE_FILES), or None.
+    ValueError naming the file if its JSON or its chat_template has the wrong shape."""
+    if name.endswith(".jinja"):
+        return text
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{name} is not valid JSON") from exc
+    template = data.get("chat_template") if isinstance(data, dict) else None
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t["name"]: t["template"] for t in template}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{name}: chat_template must be a string or a list of named templates")
     return template

@@ -341,3 +341,17 @@ def test_required_calls_cut_by_max_tokens_keep_the_complete_ones():
         assert [c["function"]["name"] for c in calls] == names
         assert content == (None if names else text)
     assert json.loads(tool_calls(spec, cut)[1][0]["function"]["arguments"]) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "text", ["<tool_call>" + "[" * 100_000 + "</tool_call>",
+             '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000
+             + "}</tool_call>"],
+)  # fmt: skip
+def test_hermes_parser_reads_deep_nesting_as_plain_text(text):
+    """JSON nested deeper than the decoder can go is content, not a RecursionError (a 500)."""
+    from ort_lora.server.structured import OutputSpec, tool_calls
+
+    assert tool_calls(OutputSpec(tool_mode="auto"), text) == (text, [])
+    required = OutputSpec(tool_mode="required")
+    assert tool_calls(required, "[" + "[" * 100_000) == ("[" + "[" * 100_000, [])

@@ -128,6 +128,17 @@ def test_chat_template_raise_exception_is_a_clear_error(tok):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], template=CUSTOM_TEMPLATE)
 
 
+def test_encode_lone_surrogate_is_a_clear_value_error(tok):
+    with pytest.raises(ValueError, match=r"not valid Unicode: a lone surrogate \(U\+DC00\) at "
+                       "character 3"):  # fmt: skip
+        tok.encode("abc\udc00")
+
+
+def test_chat_template_output_with_a_lone_surrogate_is_a_template_error(tok):
+    with pytest.raises(ChatTemplateError, match="lone surrogate"):
+        tok.apply_chat_template(CONVERSATIONS[0], template="{{ '\\ud800' }}")
+
+
 def test_missing_chat_template(smollm2_tokenizer_dir, tmp_path):
     source = smollm2_tokenizer_dir / "tokenizer.json"
     (tmp_path / "tokenizer.json").write_bytes(source.read_bytes())

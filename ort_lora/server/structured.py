@@ -16,7 +16,6 @@ The model's own chat template decides how tools are shown to it.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -24,8 +23,7 @@ from ort_lora.sampling_params import StructuredOutputs
 from ort_lora.server.errors import bad_request
 
 TOOL_PARSERS = ("hermes",)  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, SmolLM2)
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-HERMES_OPEN = "<tool_call>"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -160,7 +158,7 @@ def _complete_items(text: str) -> list:
     while at < len(text):
         try:
             item, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deeply for the decoder: not an item
             break
         items.append(item)
         if text[at : at + 1] != ",":
@@ -170,17 +168,34 @@ def _complete_items(text: str) -> list:
 
 
 def _hermes(text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a model's output in the Hermes format; output with a block that is
+    not a well-formed call (JSON nested too deeply for the decoder included) is all content."""
     calls = []
-    for block in _HERMES.findall(text):
+    for block in _hermes_blocks(text):
         try:
             call = json.loads(block)
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return text, []
             calls.append(new_call(call["name"], json.dumps(call.get("arguments", {}))))
-        except (ValueError, KeyError, TypeError):
-            return text, []  # not a well-formed call: the whole output is content
+        except (ValueError, RecursionError):
+            return text, []
     if not calls:
         return text, []
     content = text[: text.index(HERMES_OPEN)].strip()
     return content or None, calls
+
+
+def _hermes_blocks(text: str) -> list[str]:
+    """The text inside each <tool_call>...</tool_call>, stripped (one linear scan: a regex
+    would rescan the rest of the output from every unclosed tag)."""
+    blocks, at = [], 0
+    while (start := text.find(HERMES_OPEN, at)) >= 0:
+        end = text.find(HERMES_CLOSE, start)
+        if end < 0:
+            break
+        blocks.append(text[start + len(HERMES_OPEN) : end].strip())
+        at = end + len(HERMES_CLOSE)
+    return blocks
 
 
 def new_call(name: str, arguments: str) -> dict:
