@@ -33,6 +33,17 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def _check_unicode(text: str) -> None:
+    """ValueError naming the first lone surrogate of `text`, if it has one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text to encode is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X})"
+            f" at character {exc.start}"
+        ) from None
+
+
 def _token_content(value) -> str | None:
     """A special token in tokenizer_config.json is a string or an AddedToken dict."""
     if isinstance(value, dict):
@@ -94,10 +105,31 @@ class Tokenizer:
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS)."""
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS).
+        ValueError if `text` is not valid Unicode (a lone surrogate)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the backend's answer to a lone surrogate: checked only then
+            _check_unicode(text)
+            raise
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, with the GIL released while the backend works (its batch entry point
+        releases it, the single-text one does not): a long text tokenized on a worker thread
+        then does not stall the process's other threads (a server's event loop)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one vocabulary entry's spelling has (added tokens included):
+        no token covers more of an input text than this, for byte-level and sentencepiece
+        vocabularies (server/limits.py: PromptBound says why)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(token.encode("utf-8")) for token in vocab), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids; raises ValueError naming an id outside the vocabulary."""

@@ -86,7 +86,15 @@ def test_bad_api_key_401(server, headers):
 def test_good_api_key_and_open_routes(server):
     assert post(server, "/v1/completions", completion()).status_code == 200
     assert httpx.get(server[0] + "/health").status_code == 200
-    assert httpx.get(server[0] + "/metrics").status_code == 200
+    assert httpx.get(server[0] + "/metrics", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_metrics_need_the_api_key(server, headers):
+    """/metrics lists the adapters' names: behind the key, as /v1/models is."""
+    r = httpx.get(server[0] + "/metrics", headers=headers)
+    assert check_error(r, 401, "API key")["code"] == "invalid_api_key"
+    assert "ada" not in r.text
 
 
 # -- 404 -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ort_lora.lora_request import LoRARequest
 from ort_lora.runtime.cuda_pool import CudaError
+from ort_lora.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from ort_lora.server.structured import TOOL_PARSERS
 
 
@@ -37,6 +38,17 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def positive_bytes(text: str) -> int:
+    """A byte count of at least 1 KiB (a smaller limit would refuse ordinary requests)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count, got {text!r}") from None
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"expected at least 1024 bytes, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ort-lora serve",
@@ -56,7 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1 routes, /tokenize, /detokenize and "
+        "/metrics",
+    )
+    p.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper; it lists the "
+        "served adapters' names)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_bytes,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; a larger one is refused with 413 as it streams in "
+        "(default: %(default)s = 4 MiB)",
+    )
     p.add_argument(
         "--adapter-root",
         help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter; paths must be in here",
@@ -189,6 +218,8 @@ def build_app(args: argparse.Namespace):
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser,
         allow_unknown_fields=args.allow_unknown_fields,
+        max_request_bytes=args.max_request_bytes,
+        allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
     )
 
 

@@ -7,6 +7,8 @@ with an error id in place of the exception (logged under that id with its traceb
 
 from __future__ import annotations
 
+import reprlib
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -21,6 +23,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -95,15 +98,28 @@ def error_response(status, message, param=None, code=None, headers=None) -> JSON
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+# The value shown in a validation error: bounded (the input may be a list of 100,000 items;
+# the message is built on the event loop).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, 80, 80
+MAX_ERRORS_SHOWN = 10
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per problem: `field.path: what is wrong (got value)`."""
+    """One readable line per problem (the first few): `field.path: what is wrong (got
+    value)`."""
     lines, first_param = [], None
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERRORS_SHOWN]:
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
         first_param = first_param or param
-        got = f" (got {err['input']!r})" if "input" in err and err["type"] != "missing" else ""
+        got = ""
+        if "input" in err and err["type"] != "missing":
+            got = f" (got {_SHOWN.repr(err['input'])})"
         lines.append(f"{param or 'body'}: {err.get('msg', 'invalid')}{got}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more problems")
     return "; ".join(lines)[:2000] or "invalid request body", first_param
 
 

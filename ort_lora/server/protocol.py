@@ -3,9 +3,11 @@ extra sampling fields), and their mapping to SamplingParams.
 
 Every field is bounded here, so that no value can reach the engine thread and fail there:
 integers to what the engine holds (int64; seeds 0 .. 2^64 - 1, as vLLM), floats finite,
-strings valid Unicode (no lone surrogates, anywhere in the body), sizes capped. Validation
-gives 400s that name the field; SamplingParams checks the same ranges again (the offline
-API's entry).
+strings valid Unicode (no lone surrogates, anywhere in the body), sizes capped (limits.py:
+lists by `max_length`, constraint sources by MAX_CONSTRAINT_CHARS). Types are strict: a
+number field takes a JSON number (an integer field an integer), never `true` or `"1"`.
+Validation gives 400s that name the field; SamplingParams checks the same ranges again (the
+offline API's entry).
 
 Fields the OpenAI API or vLLM defines that ort-lora does not implement are refused with a 400
 naming them (UNSUPPORTED); unknown fields too (they land in `model_extra`: serving.py refuses
@@ -14,15 +16,31 @@ them unless the server runs with --allow-unknown-fields).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from ort_lora.sampling_params import MAX_INT, MAX_SEED, SamplingParams
+from ort_lora.server.limits import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+)
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
-MAX_STOP = 16
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit takes "١٢")
 # chat_template_kwargs the renderer sets itself (or Jinja's render takes): refused by name
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "add_generation_prompt", "template", "self", "tools", "documents"}
@@ -32,6 +50,45 @@ Int = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+def _constraint_chars(value) -> int:
+    """A constraint's size as the grammar compiler reads it: a schema's characters as JSON
+    text (about: separators are counted once), a regex or grammar, choices together. Counted
+    only up to just past MAX_CONSTRAINT_CHARS, in Python (the event loop gets the GIL
+    between steps; json.dumps of a 4 MiB schema would hold it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(v) for v in value)
+    total, stack = 0, [value]
+    while stack and total <= MAX_CONSTRAINT_CHARS:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) + 2
+        elif isinstance(v, dict):
+            total += 2 + 2 * len(v)
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            total += 2 + len(v)
+            stack += v
+        else:
+            total += 4  # a number, true, false or null
+    return total
+
+
+def _bounded_constraint(value):
+    size = _constraint_chars(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"over {size - 1} characters; a constraint (JSON schema as JSON text, regex, grammar, "
+            f"choices) may have at most {MAX_CONSTRAINT_CHARS}"
+        )
+    return value
+
+
+# The source of a structured-output constraint (its compile time grows with its size)
+Source = AfterValidator(_bounded_constraint)
 # Fields of the OpenAI API / vLLM that ort-lora does not implement: any value but these is a
 # 400 naming the field (never silently dropped).
 UNSUPPORTED = {
@@ -62,24 +119,47 @@ UNSUPPORTED = {
 
 def _lone_surrogate(value, path: str) -> str | None:
     """The path of the first string (value or key) in `value` that holds a lone surrogate
-    (not encodable text: JSON's "\\ud800" escapes allow them), or None."""
-    stack = [(value, path)]
+    (not encodable text: JSON's "\\ud800" escapes allow them), or None. Paths are built
+    only for the hit: a body may hold a million numbers."""
+    stack = [(value, (path,))]
     while stack:
         v, at = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return at
+            if not _encodable(v):
+                return "".join(_flatten(at))
         elif isinstance(v, dict):
-            stack += [(k, f"{at}.<key>") for k in v] + [(x, f"{at}.{k}") for k, x in v.items()]
-        elif isinstance(v, list):
-            stack += [(x, f"{at}[{i}]") for i, x in enumerate(v)]
+            stack += [(k, (at, ".<key>")) for k in v if not _encodable(k)]
+            stack += [(x, (at, f".{k}")) for k, x in v.items() if _walked(x)]
+        elif isinstance(v, list) and not set(map(type, v)) <= _SCALARS:  # token ids: skipped
+            stack += [(x, (at, i)) for i, x in enumerate(v) if _walked(x)]
     return None
 
 
+_SCALARS = {int, float, bool, type(None)}
+
+
+def _walked(value) -> bool:
+    return isinstance(value, str | dict | list)
+
+
+def _encodable(text) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _flatten(at) -> list[str]:
+    parts = []
+    while isinstance(at, tuple) and len(at) == 2:
+        at, last = at
+        parts.append(f"[{last}]" if isinstance(last, int) else last)
+    return [at[0] if isinstance(at, tuple) else at, *reversed(parts)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -98,7 +178,7 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     name: Name = "response"
     description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
+    schema_: Annotated[dict | None, Source] = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -118,17 +198,17 @@ class ResponseFormat(_Request):
 class StructuredOutputsField(_Request):
     """vLLM's structured_outputs (one of json, regex, choice, grammar, json_object)."""
 
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_: Annotated[dict | str | None, Source] = Field(None, alias="json")
+    regex: Annotated[str | None, Source] = None
+    choice: Annotated[list[str] | None, Source] = None
+    grammar: Annotated[str | None, Source] = None
     json_object: bool | None = None
 
 
 class FunctionDef(_Request):
     name: Name
     description: str | None = None
-    parameters: dict | None = None
+    parameters: Annotated[dict | None, Source] = None
     strict: bool | None = None
 
 
@@ -175,25 +255,27 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
     prompt_logprobs: TopLogprobs | None = None
     # structured outputs (OpenAI's response_format; vLLM's structured_outputs and guided_*)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: Annotated[dict | str | None, Source] = None
+    guided_regex: Annotated[str | None, Source] = None
+    guided_choice: Annotated[list[str] | None, Source] = None
+    guided_grammar: Annotated[str | None, Source] = None
 
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value):
         for key in value or {}:
-            if not key.isdigit() or int(key) > MAX_INT:
-                raise ValueError(f"keys must be token ids (digits), got {key[:20]!r}")
+            if not TOKEN_ID_KEY.fullmatch(key) or int(key) > MAX_INT:
+                raise ValueError(f"keys must be token ids (ASCII digits), got {key[:20]!r}")
         return value
 
     @field_validator("stop")
@@ -296,7 +378,7 @@ class ChatMessage(_Request):
 class _ChatRendering(_Request):
     """How chat messages become a prompt (vLLM's extras; chat completions and /tokenize)."""
 
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
@@ -313,7 +395,7 @@ class _ChatRendering(_Request):
 class ChatCompletionRequest(_SamplingFields, _ChatRendering):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
@@ -362,7 +444,7 @@ class TokenizeRequest(_ChatRendering):
 
     model: str | None = Field(None, max_length=1024)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,12 +22,14 @@ from starlette.concurrency import run_in_threadpool
 
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
+from ort_lora.server.adapter_templates import AdapterTemplates
 from ort_lora.server.errors import APIError, api_error, bad_request, model_not_found
 from ort_lora.server.formats import ChatFormat, CompletionFormat
+from ort_lora.server.limits import PromptBound
 from ort_lora.server.metrics import RequestTimer, ServerMetrics
 from ort_lora.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from ort_lora.server.structured import OutputSpec, output_spec
-from ort_lora.tokenizer import ChatTemplateError, read_chat_template
+from ort_lora.tokenizer import ChatTemplateError
 
 DISCONNECT_POLL_S = 0.25
 Lora = LoRARequest | list[LoRARequest] | None  # a list: adapters composed, with their weights
@@ -64,14 +65,16 @@ class OpenAIServing:
         trust_request_chat_template: bool = False,
         tool_call_parser: str | None = None,
         allow_unknown_fields: bool = False,
+        prompt_bound: PromptBound | None = None,
     ):
         self.engine = engine
+        self.prompt_bound = prompt_bound or PromptBound.for_engine(engine)
         self.metrics = metrics
         self.base_name = base_name
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
         self.allow_unknown_fields = allow_unknown_fields
-        self._templates: dict[str, str | None] = {}  # adapter path -> its own chat template
+        self.adapter_templates = AdapterTemplates()  # adapters' own; app.py sets its root
 
     # -- model and prompt resolution ------------------------------------------------------------
 
@@ -119,7 +122,10 @@ class OpenAIServing:
                     param=param,
                     code="model_not_found",
                 )
-            out.append(replace(served[name], weight=weight))
+            try:
+                out.append(replace(served[name], weight=weight))
+            except ValueError as exc:  # LoRARequest's own check of the weight
+                raise bad_request(f"{param}: {exc}", param) from exc
         return out
 
     def model_label(self, req, lora: Lora) -> str:
@@ -131,20 +137,12 @@ class OpenAIServing:
 
     def chat_template_for(self, lora: Lora) -> str | None:
         """An adapter's own chat template wins over the model's; a composition's adapters'
-        when they all carry the same one."""
+        when they all carry the same one. Read under adapter_templates.py's rules (inside the
+        adapter root, regular, size-capped), cached per adapter."""
         if isinstance(lora, list):
             templates = {self.chat_template_for(r) for r in lora}
             return templates.pop() if len(templates) == 1 else None
-        if lora is None:
-            return None
-        if lora.lora_path not in self._templates:
-            try:
-                template = read_chat_template(Path(lora.lora_path))
-            except (OSError, ValueError) as exc:  # unreadable: the model's template serves
-                logger.warning("adapter %s: ignoring its chat template: %s", lora.lora_name, exc)
-                template = None
-            self._templates[lora.lora_path] = template
-        return self._templates[lora.lora_path]
+        return None if lora is None else self.adapter_templates.get(lora)
 
     # -- engine calls ---------------------------------------------------------------------------
 
@@ -218,9 +216,10 @@ class OpenAIServing:
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        self.check_fields(req)
+        """`req` passed check_fields already (bodies.py, on a worker thread)."""
         lora = await self.resolve_adapters(req)
         self._check_count(len(req.prompts()))
+        self._check_sizes(req.prompts())
         spec = output_spec(req)
         prompts = await run_in_threadpool(self._encode_all, req.prompts())
         # max_tokens 0 (an echo of the prompt alone): one token is made and not shown
@@ -266,16 +265,25 @@ class OpenAIServing:
                 "prompt",
             )
 
+    def _check_sizes(self, prompts: list) -> None:
+        """A prompt longer than the context could hold is refused before it is tokenized
+        (limits.PromptBound)."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.prompt_bound.check_text(len(p), "prompt")
+            else:
+                self.prompt_bound.check_ids(len(p), "prompt")
+
     def _encode_all(self, prompts: list) -> list[list[int]]:
-        """Token ids of each prompt (on a worker thread: a long prompt must not stall the
-        event loop)."""
+        """Token ids of each prompt (on a worker thread, the GIL released while the
+        tokenizer works: a long prompt must not stall the event loop)."""
         tok = self.engine.tokenizer
-        return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [tok.encode_releasing_gil(p) if isinstance(p, str) else list(p) for p in prompts]
 
     # -- /v1/chat/completions -------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self.check_fields(req)
+        """`req` passed check_fields already (bodies.py, on a worker thread)."""
         lora = await self.resolve_adapters(req)
         spec = output_spec(req, self.tool_call_parser)
         prompt = await run_in_threadpool(self.render, req, lora, spec.tools)
@@ -296,7 +304,9 @@ class OpenAIServing:
         """A chat request's prompt ids (chat completions, /tokenize): its messages and tools
         rendered by the request's template (only with --trust-request-chat-template), else
         the adapter's or the model's (bounded in time and size, chat_template.py), then
-        encoded. Runs on a worker thread."""
+        encoded. Runs on a worker thread; messages longer in all than the context could hold
+        are refused first (limits.PromptBound)."""
+        self.prompt_bound.check_text(sum(map(_message_chars, req.messages)), "messages")
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise bad_request(
                 "chat_template in a request is refused: this server renders only the model's "
@@ -313,16 +323,25 @@ class OpenAIServing:
         except ChatTemplateError as exc:
             param = "chat_template" if req.chat_template is not None else "messages"
             raise bad_request(str(exc), param) from exc
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode_releasing_gil(text, add_special_tokens=False)
 
     def tokenize(self, body, lora: Lora) -> list[int]:
         """/tokenize's ids: the prompt, or the messages as a chat request would render them."""
         if body.prompt is not None:
-            return self.engine.tokenizer.encode(body.prompt, body.add_special_tokens)
+            self.prompt_bound.check_text(len(body.prompt), "prompt")
+            return self.engine.tokenizer.encode_releasing_gil(body.prompt, body.add_special_tokens)
         return self.render(body, lora, [t.model_dump(exclude_none=True) for t in body.tools or []])
 
     def decode_token(self, tid: int) -> str:
         return self.engine.tokenizer.token_text(tid)
+
+
+def _message_chars(message) -> int:
+    """The characters of a chat message the template renders: its content and its earlier
+    tool calls' arguments."""
+    content = message.content or ""
+    chars = len(content) if isinstance(content, str) else sum(len(p.text) for p in content)
+    return chars + sum(len(c.function.arguments) for c in message.tool_calls or ())
 
 
 def _sampling(req, max_tokens: int | None, spec: OutputSpec):
