@@ -49,9 +49,9 @@ def test_engine_overrides():
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
-    assert main([str(tmp_path / "missing")]) == 2
+    assert main([str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "missing" in capsys.readouterr().err
-    assert main([str(tmp_path), "--adapter-root", str(tmp_path / "nope")]) == 2
+    assert main([str(tmp_path), "--port", "0", "--adapter-root", str(tmp_path / "nope")]) == 2
     assert "--adapter-root" in capsys.readouterr().err
 
 
@@ -117,3 +117,39 @@ def test_serve_device_cuda_without_a_gpu_is_refused_before_any_export(
     err = capsys.readouterr().err
     assert err.startswith("ort-lora serve: ") and "CUDA" in err and "Traceback" not in err
     assert not (tmp_path / "models").exists()  # refused before exporting the default model
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path, capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main([str(tmp_path / "no-model-here"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "no-model-here" not in err
+
+
+def test_start_up_says_what_it_serves_and_where(tiny_llama_export, tiny_qv_adapter):
+    import subprocess
+    import sys
+
+    from ort_lora.server.testing import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "ort_lora.cli", "serve", str(tiny_llama_export), "--port"]
+    cmd += [str(port), "--num-pages", "64", "--lora-modules", f"qv={tiny_qv_adapter}"]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or "listening on" not in lines[-1]:
+            line = server.stderr.readline()
+            assert line, "the server exited before saying where it listens:\n" + "".join(lines)
+            lines.append(line)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    said = "".join(line for line in lines if line.startswith("ort-lora serve: "))
+    assert f"model {tiny_llama_export.name} ({tiny_llama_export}; llama" in said
+    assert "adapters qv\n" in said
+    assert "pool 64 pages of" in said and "max_num_seqs" in said
+    assert f"listening on http://127.0.0.1:{port} (OpenAI API under /v1)" in said

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
+from ort_lora.config import page_bytes
 from ort_lora.lora_request import LoRARequest
 from ort_lora.runtime.cuda_pool import CudaError
 from ort_lora.server.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -238,11 +240,48 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_on_ray(args, *resolve_model(args), engine_overrides(args))
     try:
+        listener = listen(args.host, args.port)  # before the model loads: a taken port fails fast
+    except OSError as exc:
+        print(f"ort-lora serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    try:
         app = build_app(args)
     except (ValueError, FileNotFoundError, OSError, CudaError) as exc:
+        listener.close()
         print(f"ort-lora serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    for line in served_summary(app.state.engine, args, listener):
+        print(f"ort-lora serve: {line}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level)
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (IPv4 or IPv6); OSError when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def served_summary(engine, args: argparse.Namespace, listener: socket.socket) -> list[str]:
+    """What the server serves and where, said once at start."""
+    inner = engine.engine  # the LLMEngine behind the AsyncEngine
+    manifest, config = inner.manifest, inner.config
+    quant = manifest.quantization or {}
+    weights = quant.get("weights", manifest.dtype)
+    names = [lora.lora_name for lora in engine.list_loras()]
+    pool_mib = config.num_pages * page_bytes(manifest) / 2**20
+    host, port = listener.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    root = f"; run-time loading from {args.adapter_root}" if args.adapter_root else ""
+    return [
+        f"model {args.served_model_name or engine.model_name} ({inner.model_dir}; "
+        f"{manifest.model_type}, {manifest.num_layers} layers, weights {weights}, {args.device})",
+        f"adapters {', '.join(names) if names else '(none)'}{root}",
+        f"pool {config.num_pages} pages of {config.block_size} tokens ({pool_mib:.0f} MiB), "
+        f"max_loras {config.max_loras}, max_num_seqs {config.max_num_seqs}, "
+        f"max_model_len {config.max_model_len}",
+        f"listening on http://{host}:{port} (OpenAI API under /v1)",
+    ]
