@@ -1,17 +1,23 @@
 """Soak: `ort-lora serve` under a long mixed load with adapter churn (not part of `make test`).
 
     python tests/reliability/soak.py                       # tiny model, 10,000 requests
+    python tests/reliability/soak.py --minutes 10          # as many as 10 minutes take
     python tests/reliability/soak.py --model smollm2 --requests 3000
 
 Starts the server in its own process (so its RSS is its own), then `--concurrency` clients
-send `--requests` requests: completions and chat, streamed or not, greedy or sampled, n up
-to 3, on the base model, two fixed adapters and a churn of adapters loaded and unloaded all
-the while (a request for one being unloaded may get 404), plus a share of hostile requests
-(bad seeds, lone surrogates, refused templates: 400s). It reports requests by status,
-5xx (must be 0), hangs (must be 0), pool pages by use before and after (back to idle), RSS
-after warm-up and at the end (growth < 5 %), and whether the fixed greedy prompt gave the
-same text on every adapter throughout. Prints the report and saves it as JSON
-(--out, default docs/reliability/soak.json); exit 1 when a target is missed.
+send `--requests` requests (or as many as `--minutes` take): completions and chat, streamed
+or not, greedy or sampled, n up to 3, on the base model, two fixed adapters, compositions of
+them and a churn of adapters loaded and unloaded all the while (a request for one being
+unloaded may get 404), plus a share of hostile requests (HOSTILE: every class that once
+failed other requests or stalled the server). A thread polls /health every 50 ms all the
+while. It reports requests by status, 5xx (must be 0), hangs (must be 0), innocent requests
+failed (a normal request answered other than 200 / 404, or a stream ending in an error
+event: must be 0), hostile requests let through (must be 0), /health answers other than 200
+(must be 0: the engine never stopped) and its latency (p99 < 100 ms), pool pages by use
+before and after (back to idle), RSS after warm-up and at the end (growth < 5 %), and whether
+the fixed greedy prompt gave the same text on every adapter throughout. Prints the report
+and saves it as JSON (--out, default docs/reliability/soak.json); exit 1 when a target is
+missed.
 """
 
 from __future__ import annotations
@@ -31,12 +37,30 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+HI = [{"role": "user", "content": "hi"}]
 HOSTILE = [
     {"prompt": "x", "seed": -1},
     {"prompt": "x", "top_k": 10**20},
-    {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1/0 }}"},
+    {"messages": HI, "chat_template": "{{ 1/0 }}"},
     {"prompt": "x", "max_tokens": 10**9},
+    # float32 limits: finite as float64, not as what the kernel multiplies
+    {"prompt": "x", "adapters": [{"name": "stable0", "weight": 1e308}]},
+    {"prompt": "x", "adapters": [{"name": "stable0", "weight": 1e30}, {"name": "stable1"}]},
+    {"prompt": "x", "adapters": [{"name": "stable0", "weight": True}, {"name": "stable1"}]},
+    {"prompt": "x", "adapters": [{"name": "stable0", "weight": "1"}, {"name": "stable1"}]},
+    # sizes: refused before any work
+    {"prompt": "ab" * (3 << 20)},
+    {"prompt": ["x" * 4096] * 1024},
+    {"prompt": "x", "logit_bias": {str(i): 1 for i in range(50_000)}},
+    {"prompt": "x", "logit_bias": {"\u0661\u0662": 1}},
+    {"prompt": "x", "stop_token_ids": list(range(100_000))},
+    {"messages": HI * 20_000},
+    # templates (the server trusts request templates here): arithmetic, repetition, surrogates
+    {"messages": HI, "chat_template": "{{ 'a' * 10**9 }}"},
+    {"messages": HI, "chat_template": "{{ 7 ** 6000000 }}"},
+    {"messages": HI, "chat_template": "{{ '\ud800' }}"},
 ]
+HEALTH_EVERY_S = 0.05
 
 
 def build_assets(model: str, cache: Path) -> tuple[Path, Path]:
@@ -69,6 +93,12 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.stop = threading.Event()
         self.fixed: dict[str | None, str] = {}
+        self.deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
+        self.sent = 0
+        self.hostile_passed: list[str] = []
+        self.innocent_failed: list[str] = []
+        self.health_s: list[float] = []
+        self.health_codes: Counter = Counter()
 
     def fixed_texts(self) -> dict:
         out = {}
@@ -84,35 +114,45 @@ class Soak:
             self.mismatches.append(f"{when}: {now} != {self.fixed}")
 
     def one(self, i: int) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return
         rng = random.Random(self.args.seed * 1_000_003 + i)
-        body, path = self.request_body(rng)
+        body, path, hostile = self.request_body(rng)
         try:
-            if body.get("stream"):
-                with httpx.stream(
-                    "POST", self.url + path, json=body, timeout=self.args.timeout
-                ) as r:
-                    for _ in r.iter_lines():
-                        pass
-                    code = r.status_code
-            else:
-                code = httpx.post(self.url + path, json=body, timeout=self.args.timeout).status_code
+            code, failed_in_band = self.send(path, body)
         except httpx.TimeoutException:
             with self.lock:
                 self.hangs += 1
             return
         with self.lock:
             self.codes[code] += 1
+            self.sent += 1
+            if hostile and code < 400:
+                self.hostile_passed.append(body_summary(body))
+            if not hostile and (code not in (200, 404) or failed_in_band):
+                self.innocent_failed.append(f"{code} {body_summary(body)}")
         if (i + 1) % 1000 == 0:
             self.check_fixed(f"after {i + 1} requests")
             print(f"soak: {i + 1} requests, {dict(self.codes)}", file=sys.stderr, flush=True)
 
-    def request_body(self, rng: random.Random) -> tuple[dict, str]:
+    def send(self, path: str, body: dict) -> tuple[int, bool]:
+        """(status, whether a stream ended with an error event)."""
+        if not body.get("stream"):
+            r = httpx.post(self.url + path, json=body, timeout=self.args.timeout)
+            return r.status_code, False
+        with httpx.stream("POST", self.url + path, json=body, timeout=self.args.timeout) as r:
+            lines = list(r.iter_lines())
+        return r.status_code, any(line.startswith('data: {"error"') for line in lines)
+
+    def request_body(self, rng: random.Random) -> tuple[dict, str, bool]:
+        """(body, path, hostile)."""
         if rng.random() < 0.05:
             body = dict(rng.choice(HOSTILE))
-            return body, "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            chat = "messages" in body
+            return body, "/v1/chat/completions" if chat else "/v1/completions", True
         with self.lock:
             churn = sorted(self.loaded)
-        model = rng.choice([None, None, "stable0", "stable1", *churn[:2]])
+        model = rng.choice([None, None, "stable0", "stable1", "stable0+stable1", *churn[:2]])
         body = {
             "model": model,
             "max_tokens": rng.randint(1, self.args.max_tokens),
@@ -123,9 +163,21 @@ class Soak:
         }
         if rng.random() < 0.5:
             body["messages"] = [{"role": "user", "content": f"Tell me about {rng.random():.5f}"}]
-            return body, "/v1/chat/completions"
+            return body, "/v1/chat/completions", False
         body["prompt"] = " ".join(rng.choice(["cat", "dog", "sky", "blue", "42"]) for _ in range(8))
-        return body, "/v1/completions"
+        return body, "/v1/completions", False
+
+    def poll_health(self) -> None:
+        """/health every HEALTH_EVERY_S while the load runs: its latency and its answers."""
+        while not self.stop.wait(HEALTH_EVERY_S):
+            start = time.monotonic()
+            try:
+                code = httpx.get(self.url + "/health", timeout=self.args.timeout).status_code
+            except httpx.TimeoutException:
+                code = "timeout"
+            with self.lock:
+                self.health_s.append(time.monotonic() - start)
+                self.health_codes[code] += 1
 
     def churn(self) -> None:
         """Load and unload churn adapters while the load runs."""
@@ -141,6 +193,17 @@ class Soak:
                 self.codes[f"{action} {r.status_code}"] += 1
                 if r.status_code == 200:
                     (self.loaded.discard if loaded else self.loaded.add)(name)
+
+
+def body_summary(body: dict) -> str:
+    """A request body in at most 160 characters (hostile ones are large)."""
+    text = json.dumps(body, ensure_ascii=True)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def rss_mib(pid: int) -> float:
@@ -175,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument(
+        "--minutes", type=float, help="run this long instead (--requests is then a ceiling)"
+    )
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--churn-s", type=float, default=0.5, help="seconds between churn actions")
@@ -188,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir, root = build_assets(args.model, args.cache_dir)
     serve_args = [str(model_dir), "--adapter-root", str(root), "--log-level", "warning"]
+    serve_args += ["--trust-request-chat-template"]
     serve_args += ["--lora-modules", f"stable0={root / 'stable0'}", f"stable1={root / 'stable1'}"]
     server = ServeProcess(serve_args)
     with server as url:
@@ -197,14 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         idle_before = wait_idle(url)
         churner = threading.Thread(target=soak.churn, daemon=True)
         churner.start()
+        health = threading.Thread(target=soak.poll_health, daemon=True)
+        health.start()
         started = time.monotonic()
+        requests = args.requests if args.minutes is None else 10**9
         warm = min(1000, args.requests // 10)
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(soak.one, range(warm)))
             rss_warm = rss_mib(pid)
-            list(pool.map(soak.one, range(warm, args.requests)))
+            list(pool.map(soak.one, range(warm, requests)))
         soak.stop.set()
         churner.join()
+        health.join()
         elapsed = time.monotonic() - started
         rss_end = rss_mib(pid)
         for name in sorted(soak.loaded):  # unload the churn: pages back to idle
@@ -226,12 +297,19 @@ def _report(args, soak: Soak, elapsed, rss_warm, rss_end, idle_before, idle_afte
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "model": args.model,
-        "requests": args.requests,
+        "requests": soak.sent,
         "concurrency": args.concurrency,
         "seconds": round(elapsed, 1),
         "codes": codes,
         "server_errors_5xx": five,
         "hangs": soak.hangs,
+        "innocent_failed": soak.innocent_failed[:20],
+        "hostile_let_through": soak.hostile_passed[:20],
+        "health_codes": {str(k): v for k, v in soak.health_codes.items()},
+        "health_ms": {
+            name: round(1000 * percentile(soak.health_s, q), 1)
+            for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))
+        },
         "pool_pages_idle_before": idle_before,
         "pool_pages_idle_after": idle_after,
         "rss_mib_after_warmup": round(rss_warm, 1),
@@ -243,6 +321,10 @@ def _report(args, soak: Soak, elapsed, rss_warm, rss_end, idle_before, idle_afte
     report["targets_met"] = (
         five == 0
         and soak.hangs == 0
+        and not soak.innocent_failed
+        and not soak.hostile_passed
+        and set(soak.health_codes) == {200}
+        and report["health_ms"]["p99"] < 100
         and idle_after.get("kv", 1) == 0
         and growth < 0.05
         and not soak.mismatches
