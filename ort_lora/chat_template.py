@@ -152,8 +152,8 @@ def template_in_file(name: str, text: str) -> str | None:
         raise ValueError(f"{name} is not valid JSON") from exc
     template = data.get("chat_template") if isinstance(data, dict) else None
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        named = [t for t in template if isinstance(t, dict) and t.get("name") == "default"]
+        template = named[-1].get("template") if named else None  # the last wins, as in a dict
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{name}: chat_template must be a string or a list of named templates")
     return template

@@ -243,7 +243,8 @@ def test_cluster_totals_add_up_the_replicas():
 class FakeCluster:
     """What create_app reads of an engine, and the replicas' figures."""
 
-    model_name, max_model_len, max_queued_requests, tokenizer, error = "base", 64, 8, None, None
+    model_name, max_model_len, max_queued_requests, error = "base", 64, 8, None
+    tokenizer = SimpleNamespace(max_token_bytes=16)  # the ingress has the model's (ray_client)
 
     def __init__(self, replicas):
         self.replicas = replicas
@@ -304,6 +305,24 @@ def test_cluster_metrics_page_without_replicas():
 
     got = samples(generate_latest(page).decode())
     assert got[("ort_lora:cluster_adapter_hit_rate", ())] == 0.0
+
+
+def test_cluster_metrics_page_needs_the_api_key():
+    """The cluster's /metrics replaces the engine's route, and stays behind the key."""
+    client = FakeCluster(REPLICAS)
+    app = create_app(client, api_key="sk-ray")
+
+    async def no_pages():
+        return []
+
+    install_cluster_metrics(app, client, ray_metrics=no_pages)
+    with ServerThread(app) as url:
+        anonymous = httpx.get(url + "/metrics")
+        keyed = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ray"})
+    assert anonymous.status_code == 401, anonymous.text
+    assert anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert 'replica="r1"' not in anonymous.text
+    assert keyed.status_code == 200 and 'replica="r1"' in keyed.text
 
 
 # ---- config and CLI ----------------------------------------------------------------------------

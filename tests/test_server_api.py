@@ -309,10 +309,21 @@ def test_runtime_load_use_unload_while_streaming(server, client, hf_tok):
         client.completions.create(model="delta", prompt="gone", max_tokens=2)
 
 
-def test_unreadable_adapter_template_falls_back_to_model(server, client, hf_tok):
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe not UTF-8",
+        b'{"chat_template": [{"name": ["unhashable"], "template": "x"}]}',
+    ],
+    ids=["bad-json", "not-utf8", "odd-names"],
+)
+def test_unreadable_adapter_template_falls_back_to_model(server, client, hf_tok, content):
+    """A template file in its place that holds no usable template: the adapter loads and
+    chats with the model's template (a warning in the log), never a refusal or a 500."""
     url, engine, root = server
     make_adapter(root / "odd")
-    (root / "odd" / "tokenizer_config.json").write_text("{not json")
+    (root / "odd" / "tokenizer_config.json").write_bytes(content)
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "odd", "lora_path": "odd"})
     assert r.status_code == 200, r.text
     messages = [{"role": "user", "content": "hello"}]

@@ -261,7 +261,10 @@ def check_error(r: httpx.Response, status: int, *needles: str) -> dict:
 def test_real_engine_errors(server, adapter_root):
     url, engine = server
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "broken"})
-    check_error(r, 400, "broken")
+    # the adapter (named once), the missing file and the rule; never the server's paths
+    error = check_error(r, 400, "adapter 'b': ", "no adapter_model.safetensors")
+    assert error["message"].count("adapter 'b'") == 1 and str(adapter_root) not in r.text
+    assert error["param"] == "lora_path"
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
     check_error(r, 403, "outside the adapter root")
     body = {"model": engine.model_name, "prompt": [1] * 10, "max_tokens": engine.max_model_len}

@@ -74,6 +74,13 @@ def resolve_adapter_path(root: Path, lora_path: str) -> Path:
         raise APIError(400, str(exc), param="lora_path") from exc
 
 
+def naming_adapter(name: str, exc: Exception) -> str:
+    """`exc`'s message led by the adapter's name, once: the adapters package's messages
+    already start with it (`adapter 'x': ...`), the template checks' and others' do not."""
+    label, message = f"adapter {name!r}", str(exc)
+    return message if message.startswith(label) else f"{label}: {message}"
+
+
 class AdapterAdmin:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and replies)."""
 
@@ -99,9 +106,9 @@ class AdapterAdmin:
             check_adapter_template_files(path, self.root)  # a hostile template file refuses it
             self.engine.add_lora(lora)
         except AdapterPathError as exc:
-            raise APIError(403, str(exc), param="lora_path") from exc
+            raise APIError(403, naming_adapter(body.lora_name, exc), param="lora_path") from exc
         except (AdapterError, ValueError, FileNotFoundError) as exc:
-            raise APIError(400, f"adapter '{body.lora_name}': {exc}", param="lora_path") from exc
+            raise APIError(400, naming_adapter(body.lora_name, exc), param="lora_path") from exc
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     def unload(self, body: UnloadLoRAAdapterRequest) -> str:

@@ -35,8 +35,6 @@ MAX_TOOLS = 128
 MAX_CONSTRAINT_CHARS = 64 * 1024
 # How much longer than the strict bound a prompt may be (see PromptBound)
 PROMPT_MARGIN = 4
-# Bytes per token assumed for an engine whose tokenizer cannot say (a test double)
-FALLBACK_TOKEN_BYTES = 256
 
 
 class RequestTooLarge(APIError):
@@ -134,10 +132,9 @@ class PromptBound:
 
     @classmethod
     def for_engine(cls, engine) -> PromptBound:
-        """The bound of `engine`'s context length and tokenizer (its longest token)."""
-        tokenizer = getattr(engine, "tokenizer", None)
-        max_bytes = getattr(tokenizer, "max_token_bytes", None) or FALLBACK_TOKEN_BYTES
-        return cls(engine.max_model_len, max_bytes)
+        """The bound of `engine`'s context length and tokenizer (its longest token). Every
+        engine has a tokenizer: the local one, and the Ray ingress (ray_client.py) its own."""
+        return cls(engine.max_model_len, engine.tokenizer.max_token_bytes)
 
     @property
     def max_chars(self) -> int:
