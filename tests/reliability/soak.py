@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import queue
 import random
 import shutil
 import sys
@@ -52,13 +54,13 @@ HOSTILE = [
     {"prompt": "ab" * (3 << 20)},
     {"prompt": ["x" * 4096] * 1024},
     {"prompt": "x", "logit_bias": {str(i): 1 for i in range(50_000)}},
-    {"prompt": "x", "logit_bias": {"\u0661\u0662": 1}},
+    {"prompt": "x", "logit_bias": {"\u0661\u0662": 1}},  # Arabic-Indic digits
     {"prompt": "x", "stop_token_ids": list(range(100_000))},
     {"messages": HI * 20_000},
     # templates (the server trusts request templates here): arithmetic, repetition, surrogates
     {"messages": HI, "chat_template": "{{ 'a' * 10**9 }}"},
     {"messages": HI, "chat_template": "{{ 7 ** 6000000 }}"},
-    {"messages": HI, "chat_template": "{{ '\ud800' }}"},
+    {"messages": HI, "chat_template": "{{ '\\ud800' }}"},  # jinja's escape: a lone surrogate
 ]
 HEALTH_EVERY_S = 0.05
 
@@ -168,16 +170,19 @@ class Soak:
         return body, "/v1/completions", False
 
     def poll_health(self) -> None:
-        """/health every HEALTH_EVERY_S while the load runs: its latency and its answers."""
-        while not self.stop.wait(HEALTH_EVERY_S):
-            start = time.monotonic()
-            try:
-                code = httpx.get(self.url + "/health", timeout=self.args.timeout).status_code
-            except httpx.TimeoutException:
-                code = "timeout"
-            with self.lock:
-                self.health_s.append(time.monotonic() - start)
-                self.health_codes[code] += 1
+        """/health every HEALTH_EVERY_S while the load runs, from a process of its own (the
+        client's threads would otherwise delay it), then its latencies and its answers."""
+        ctx = multiprocessing.get_context("spawn")
+        stop, results = ctx.Queue(), ctx.Queue()
+        args = (self.url, self.args.timeout, stop, results)
+        poller = ctx.Process(target=_poll_health, args=args)
+        poller.start()
+        self.stop.wait()
+        stop.put(None)
+        seconds, codes = results.get(timeout=120)
+        poller.join(timeout=60)
+        with self.lock:
+            self.health_s, self.health_codes = seconds, Counter(codes)
 
     def churn(self) -> None:
         """Load and unload churn adapters while the load runs."""
@@ -193,6 +198,29 @@ class Soak:
                 self.codes[f"{action} {r.status_code}"] += 1
                 if r.status_code == 200:
                     (self.loaded.discard if loaded else self.loaded.add)(name)
+
+
+def _poll_health(url: str, timeout: float, stop, results) -> None:
+    """The health poller's process: poll until something arrives on `stop`, then put
+    (latencies in seconds, status codes) on `results`."""
+    seconds, codes = [], []
+    with httpx.Client(timeout=timeout) as client:
+        while True:
+            try:
+                stop.get(timeout=HEALTH_EVERY_S)
+                break
+            except queue.Empty:
+                pass
+            start = time.monotonic()
+            try:
+                code = client.get(url + "/health").status_code
+            except httpx.TimeoutException:
+                code = "timeout"
+            except httpx.HTTPError as exc:  # the server went away: never expected
+                code = type(exc).__name__
+            seconds.append(time.monotonic() - start)
+            codes.append(code)
+    results.put((seconds, codes))
 
 
 def body_summary(body: dict) -> str:
