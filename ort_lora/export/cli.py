@@ -62,7 +62,13 @@ def parser() -> argparse.ArgumentParser:
         help="KV block size (default: 16 on cpu; on cuda 256 for head_dim <= 64, 128 for <= 128, "
         "else 64, what ORT's FlashAttention paged kernel needs)",
     )
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="the provider the graph is for (cuda: compiled, not yet run end to end on a GPU; "
+        "docs/CUDA.md)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing export in OUTDIR")
     p.add_argument(
         "--verify",

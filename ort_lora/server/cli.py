@@ -119,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pool size in MiB (default: 10%% of the host memory available at start, less the "
         "weights, within [256, 4096]; cuda: 512)",
     )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where to run (cuda needs onnxruntime-gpu; that path has not yet run end to end on "
+        "a GPU: docs/CUDA.md)",
+    )
     p.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
     p.add_argument(
         "--tool-call-parser",
