@@ -118,14 +118,20 @@ def _short(exc: Exception, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _check_unicode(text: str) -> None:
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` is not valid Unicode ("a lone surrogate (U+D800) at character 3"), or
+    None: a tokenizer, a JSON body and a log line all need valid Unicode."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ChatTemplateError(
-            f"chat template output is not valid Unicode: a lone surrogate "
-            f"(U+{ord(text[exc.start]):04X}) at character {exc.start}"
-        ) from None
+        return f"a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}"
+    return None
+
+
+def _check_unicode(text: str) -> None:
+    where = lone_surrogate(text)
+    if where is not None:
+        raise ChatTemplateError(f"chat template output is not valid Unicode: {where}")
 
 
 def read_chat_template(model_dir: str | Path) -> str | None:

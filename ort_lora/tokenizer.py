@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as _Backend
 from ort_lora.chat_template import (
     CONFIG_FILE,
     ChatTemplateError,
+    lone_surrogate,
     read_chat_template,
     render_chat_template,
 )
@@ -35,13 +36,9 @@ PROMPT_CONTEXT_TOKENS = 5
 
 def _check_unicode(text: str) -> None:
     """ValueError naming the first lone surrogate of `text`, if it has one."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"text to encode is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X})"
-            f" at character {exc.start}"
-        ) from None
+    where = lone_surrogate(text)
+    if where is not None:
+        raise ValueError(f"text to encode is not valid Unicode: {where}")
 
 
 def _token_content(value) -> str | None:

@@ -14,14 +14,12 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ort_lora.server.default_model import DEFAULT_MODEL_NAME
-from ort_lora.server.testing import free_port
+from ort_lora.server.testing import ServeProcess
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).parent.parent / "README.md"
@@ -49,34 +47,10 @@ def readme_env(smollm2_default_export, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def readme_server(readme_env, tmp_path_factory):
+def readme_server(readme_env):
     """`ort-lora serve` as the README's first command starts it (on another port)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("readme_server") / "serve.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "ort_lora.cli", "serve", "--port", str(port)],
-            env=readme_env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server, timeout_s=300)
-        yield url, log
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"ort-lora serve exited with {server.returncode}"
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"ort-lora serve was not healthy within {timeout_s} s")
+    with ServeProcess([], env=readme_env, startup_timeout_s=300) as url:
+        yield url
 
 
 def _run(lang: str, code: str, env: dict, cwd: Path) -> str:
@@ -91,7 +65,7 @@ def _run(lang: str, code: str, env: dict, cwd: Path) -> str:
 
 
 def test_readme_blocks_run_as_written(readme_server, readme_env, tmp_path):
-    url, log = readme_server
+    url = readme_server
     blocks = readme_blocks()
     assert len(blocks) >= 6, "the README lost its examples"
     outputs = []
@@ -101,5 +75,3 @@ def test_readme_blocks_run_as_written(readme_server, readme_env, tmp_path):
     assert "THE SKY IS BLUE." in text  # the curl call and the offline API, on `upper`
     assert '"country"' in text  # the structured output
     assert (tmp_path / "out" / "smollm2-int4" / "model.onnx").is_file()
-    started = log.read_text()
-    assert f"listening on {url}" in started and "adapters upper, json" in started
