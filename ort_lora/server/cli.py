@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_bytes,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body; a larger one is refused with 413 as it streams in "
-        "(default: %(default)s = 4 MiB)",
+        "(default: %(default)s = 2 MiB)",
     )
     p.add_argument(
         "--adapter-root",

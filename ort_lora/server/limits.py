@@ -1,7 +1,7 @@
 """Bounds on what one request may ask of the server, checked before any work is done on it.
 
     limit                        default   where / flag               a client over it gets
-    request body                 4 MiB     --max-request-bytes        413 (as the body streams)
+    request body                 2 MiB     --max-request-bytes        413 (as the body streams)
     prompt / chat text           derived   max_model_len (PromptBound) 400 naming the field
     prompts per request          1024      --max-queued-requests      400 naming `prompt`
     token ids of one prompt      max_model_len                         400 naming `prompt`
@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from ort_lora.server.errors import APIError
 
 MIB = 1 << 20
-DEFAULT_MAX_REQUEST_BYTES = 4 * MIB
+# Parsing a body holds the GIL (json.loads allocates an object per value): a body of the most
+# values 2 MiB holds keeps every other route waiting ~40 ms here, 4 MiB twice that; /health
+# p99 under a sustained hostile mix 78 ms at 2 MiB, 129 ms at 4 MiB (docs/RELIABILITY.md).
+# Ample for a prompt: SmolLM2's 8,192-token context is ~40 KB of text, a 128k one ~600 KB.
+DEFAULT_MAX_REQUEST_BYTES = 2 * MIB
 MAX_MESSAGES = 4096
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 1024

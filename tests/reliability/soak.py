@@ -9,8 +9,8 @@ send `--requests` requests (or as many as `--minutes` take): completions and cha
 or not, greedy or sampled, n up to 3, on the base model, two fixed adapters, compositions of
 them and a churn of adapters loaded and unloaded all the while (a request for one being
 unloaded may get 404), plus a share of hostile requests (HOSTILE: every class that once
-failed other requests or stalled the server). A thread polls /health every 50 ms all the
-while. It reports requests by status, 5xx (must be 0), hangs (must be 0), innocent requests
+failed other requests or stalled the server). A process of its own polls /health every 50 ms
+all the while. It reports requests by status, 5xx (must be 0), hangs (must be 0), innocent requests
 failed (a normal request answered other than 200 / 404, or a stream ending in an error
 event: must be 0), hostile requests let through (must be 0), /health answers other than 200
 (must be 0: the engine never stopped) and its latency (p99 < 100 ms), pool pages by use
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import queue
 import random
 import shutil
 import sys
@@ -36,6 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hostile_bodies import HealthPoller  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -99,8 +100,6 @@ class Soak:
         self.sent = 0
         self.hostile_passed: list[str] = []
         self.innocent_failed: list[str] = []
-        self.health_s: list[float] = []
-        self.health_codes: Counter = Counter()
 
     def fixed_texts(self) -> dict:
         out = {}
@@ -137,6 +136,19 @@ class Soak:
             self.check_fixed(f"after {i + 1} requests")
             print(f"soak: {i + 1} requests, {dict(self.codes)}", file=sys.stderr, flush=True)
 
+    def run(self, pid: int) -> float:
+        """Send the requests (in rounds of 1,000 until --requests or --minutes is reached);
+        the server's RSS after the first round (the warm-up)."""
+        rss_warm = None
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            for start in range(0, self.args.requests, 1000):
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    break
+                stop = min(start + 1000, self.args.requests)
+                list(pool.map(self.one, range(start, stop)))
+                rss_warm = rss_warm or rss_mib(pid)
+        return rss_warm
+
     def send(self, path: str, body: dict) -> tuple[int, bool]:
         """(status, whether a stream ended with an error event)."""
         if not body.get("stream"):
@@ -169,21 +181,6 @@ class Soak:
         body["prompt"] = " ".join(rng.choice(["cat", "dog", "sky", "blue", "42"]) for _ in range(8))
         return body, "/v1/completions", False
 
-    def poll_health(self) -> None:
-        """/health every HEALTH_EVERY_S while the load runs, from a process of its own (the
-        client's threads would otherwise delay it), then its latencies and its answers."""
-        ctx = multiprocessing.get_context("spawn")
-        stop, results = ctx.Queue(), ctx.Queue()
-        args = (self.url, self.args.timeout, stop, results)
-        poller = ctx.Process(target=_poll_health, args=args)
-        poller.start()
-        self.stop.wait()
-        stop.put(None)
-        seconds, codes = results.get(timeout=120)
-        poller.join(timeout=60)
-        with self.lock:
-            self.health_s, self.health_codes = seconds, Counter(codes)
-
     def churn(self) -> None:
         """Load and unload churn adapters while the load runs."""
         names = [f"churn{i}" for i in range(8)]
@@ -200,38 +197,10 @@ class Soak:
                     (self.loaded.discard if loaded else self.loaded.add)(name)
 
 
-def _poll_health(url: str, timeout: float, stop, results) -> None:
-    """The health poller's process: poll until something arrives on `stop`, then put
-    (latencies in seconds, status codes) on `results`."""
-    seconds, codes = [], []
-    with httpx.Client(timeout=timeout) as client:
-        while True:
-            try:
-                stop.get(timeout=HEALTH_EVERY_S)
-                break
-            except queue.Empty:
-                pass
-            start = time.monotonic()
-            try:
-                code = client.get(url + "/health").status_code
-            except httpx.TimeoutException:
-                code = "timeout"
-            except httpx.HTTPError as exc:  # the server went away: never expected
-                code = type(exc).__name__
-            seconds.append(time.monotonic() - start)
-            codes.append(code)
-    results.put((seconds, codes))
-
-
 def body_summary(body: dict) -> str:
     """A request body in at most 160 characters (hostile ones are large)."""
     text = json.dumps(body, ensure_ascii=True)
     return text if len(text) <= 160 else text[:157] + "..."
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def rss_mib(pid: int) -> float:
@@ -265,10 +234,8 @@ def wait_idle(url: str, timeout_s: float = 60) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
-    ap.add_argument("--requests", type=int, default=10_000)
-    ap.add_argument(
-        "--minutes", type=float, help="run this long instead (--requests is then a ceiling)"
-    )
+    ap.add_argument("--requests", type=int, help="default 10,000; none with --minutes")
+    ap.add_argument("--minutes", type=float, help="stop after this long (or --requests)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--churn-s", type=float, default=0.5, help="seconds between churn actions")
@@ -277,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ort-lora-bench")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability" / "soak.json")
     args = ap.parse_args(argv)
+    if args.requests is None:
+        args.requests = 10_000 if args.minutes is None else 10**9
 
     from ort_lora.server.testing import ServeProcess
 
@@ -292,32 +261,25 @@ def main(argv: list[str] | None = None) -> int:
         idle_before = wait_idle(url)
         churner = threading.Thread(target=soak.churn, daemon=True)
         churner.start()
-        health = threading.Thread(target=soak.poll_health, daemon=True)
-        health.start()
-        started = time.monotonic()
-        requests = args.requests if args.minutes is None else 10**9
-        warm = min(1000, args.requests // 10)
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            list(pool.map(soak.one, range(warm)))
-            rss_warm = rss_mib(pid)
-            list(pool.map(soak.one, range(warm, requests)))
-        soak.stop.set()
-        churner.join()
-        health.join()
+        with HealthPoller(url, period_s=HEALTH_EVERY_S, timeout_s=args.timeout) as health:
+            started = time.monotonic()
+            rss_warm = soak.run(pid)
+            soak.stop.set()
+            churner.join()
         elapsed = time.monotonic() - started
         rss_end = rss_mib(pid)
         for name in sorted(soak.loaded):  # unload the churn: pages back to idle
             httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
         soak.check_fixed("at the end")
         idle_after = wait_idle(url)
-    report = _report(args, soak, elapsed, rss_warm, rss_end, idle_before, idle_after)
+    report = _report(args, soak, health, elapsed, rss_warm, rss_end, idle_before, idle_after)
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0 if report["targets_met"] else 1
 
 
-def _report(args, soak: Soak, elapsed, rss_warm, rss_end, idle_before, idle_after) -> dict:
+def _report(args, soak: Soak, health, elapsed, rss_warm, rss_end, idle_before, idle_after):
     codes = {str(k): v for k, v in sorted(soak.codes.items(), key=lambda kv: str(kv[0]))}
     five = sum(v for k, v in soak.codes.items() if str(k).split()[-1].startswith("5"))
     growth = (rss_end - rss_warm) / rss_warm
@@ -333,11 +295,7 @@ def _report(args, soak: Soak, elapsed, rss_warm, rss_end, idle_before, idle_afte
         "hangs": soak.hangs,
         "innocent_failed": soak.innocent_failed[:20],
         "hostile_let_through": soak.hostile_passed[:20],
-        "health_codes": {str(k): v for k, v in soak.health_codes.items()},
-        "health_ms": {
-            name: round(1000 * percentile(soak.health_s, q), 1)
-            for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))
-        },
+        "health": health.summary(),
         "pool_pages_idle_before": idle_before,
         "pool_pages_idle_after": idle_after,
         "rss_mib_after_warmup": round(rss_warm, 1),
@@ -351,8 +309,8 @@ def _report(args, soak: Soak, elapsed, rss_warm, rss_end, idle_before, idle_afte
         and soak.hangs == 0
         and not soak.innocent_failed
         and not soak.hostile_passed
-        and set(soak.health_codes) == {200}
-        and report["health_ms"]["p99"] < 100
+        and health.failures == 0
+        and report["health"]["p99_ms"] < 100
         and idle_after.get("kv", 1) == 0
         and growth < 0.05
         and not soak.mismatches

@@ -32,7 +32,7 @@ def test_health_answers_while_hostile_requests_are_served(served):
     with HealthPoller(served.url) as poller, ThreadPoolExecutor(4) as pool:
         sent = [
             (name, expected, pool.submit(send, served.url, path, body))
-            for name, path, body, expected in bodies * 2  # each twice, 4 at a time
+            for name, path, body, expected in bodies * 3  # each three times, 4 at a time
         ]
         statuses = [(name, expected, future.result()) for name, expected, future in sent]
     summary = poller.summary()
