@@ -104,21 +104,25 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS).
         ValueError if `text` is not valid Unicode (a lone surrogate)."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:  # the backend's answer to a lone surrogate: checked only then
-            _check_unicode(text)
-            raise
+        return self._encode(text, add_special_tokens, release_gil=False)
 
     def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`encode`, with the GIL released while the backend works (its batch entry point
         releases it, the single-text one does not): a long text tokenized on a worker thread
         then does not stall the process's other threads (a server's event loop)."""
+        return self._encode(text, add_special_tokens, release_gil=True)
+
+    def _encode(self, text: str, add_special_tokens: bool, release_gil: bool) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        special = add_special_tokens
+        try:
+            if release_gil:
+                return self.backend.encode_batch([text], add_special_tokens=special)[0].ids
+            return self.backend.encode(text, add_special_tokens=special).ids
+        except TypeError:  # the backend's answer to a lone surrogate: checked only then
+            _check_unicode(text)
+            raise
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
