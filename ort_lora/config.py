@@ -100,14 +100,18 @@ class EngineConfig:
                             the Scheduler; a Scheduler given None bounds requests by the pool)
     max_adapter_wait_steps: steps a request blocked by the max_loras cap may be passed over
                             by later requests before admission stops for them (fairness)
-    prefetch_adapters:      load the adapters of waiting requests into FREE pages ahead of
-                            their admission (S-LoRA prefetch: on a GPU the copy overlaps with
-                            the running step); None = on for device cuda, off for cpu (CPU
-                            copies are synchronous: there is nothing to overlap)
-    preload_adapters:       add_lora copies the adapter into FREE pool pages at once (idle
-                            there, evicted like any idle adapter when KV blocks need pages;
-                            nothing is evicted for it), so its first request finds it resident
-                            instead of reading it from disk inside a step
+    prefetch_adapters:      load the adapters of waiting requests into free pages (or idle
+                            cached KV blocks') ahead of their admission (S-LoRA prefetch: on
+                            a GPU the copy overlaps with the running step); None = on for
+                            device cuda, off for cpu (CPU copies are synchronous: there is
+                            nothing to overlap)
+    preload_adapters:       add_lora copies the adapter into free pool pages (or idle cached
+                            KV blocks') at once (idle there, evicted like any idle adapter
+                            when KV blocks need pages; no adapter is evicted for it), so its
+                            first request finds it resident instead of reading it from disk
+                            inside a step
+    enable_prefix_caching:  reuse the KV blocks of a prompt prefix already computed under the
+                            same adapter content (docs/PREFIX_CACHING.md); vLLM's name
     """
 
     max_num_seqs: int = 64
@@ -122,6 +126,7 @@ class EngineConfig:
     max_adapter_wait_steps: int = 4
     prefetch_adapters: bool | None = None
     preload_adapters: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):

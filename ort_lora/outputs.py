@@ -55,3 +55,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     lora_request: LoRARequest | tuple[LoRARequest, ...] | None = None  # tuple: composed
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -181,3 +181,85 @@ def test_prefetch_takes_free_pages_only():
     assert pool.stats().adapter_evictions == 2
     with pytest.raises(ValueError, match="num_pages must be >= 1"):
         pool.prefetch_adapter("d", 0)
+
+
+# ---- prefix cache ---------------------------------------------------------------------------
+
+
+def _cached(pool: PagePool, n: int, tag=()) -> list[int]:
+    """n KV pages registered under hashes h0..h{n-1}, then released: idle cached blocks."""
+    pages = pool.allocate_kv(n)
+    for i, p in enumerate(pages):
+        assert pool.cache_block(p, f"h{i}".encode(), tag)
+    pool.free_kv(pages)
+    return pages
+
+
+def test_cached_blocks_are_shared_counted_and_kept_idle():
+    pool = PagePool(8)
+    pages = _cached(pool, 3)
+    assert pool.stats().cached_pages == 3 and pool.stats().free_pages == 5
+    assert pool.lookup([b"h0", b"h1", b"x", b"h2"]) == pages[:2]  # the longest prefix only
+    pool.share_kv(pages[:2])
+    pool.share_kv(pages[:1])
+    assert pool.kv_refcounts() == {pages[0]: 2, pages[1]: 1}
+    assert pool.cached_pages() == [pages[2]]
+    private = pool.allocate_kv(1)
+    assert not pool.cache_block(private[0], b"h0")  # that hash is cached in another page
+    pool.free_kv([pages[0], pages[1], private[0]])
+    assert pool.kv_refcounts() == {pages[0]: 1} and private[0] in pool.free_pages()
+    with pytest.raises(ValueError, match="not cached KV blocks"):
+        pool.share_kv(private)
+    with pytest.raises(ValueError, match="not an allocated KV page"):
+        pool.cache_block(private[0], b"new")
+
+
+def test_idle_blocks_and_idle_adapters_share_one_lru():
+    pool = PagePool(6)
+    pool.acquire_adapter("old", 2)
+    pool.release_adapter("old")  # idle first
+    blocks = _cached(pool, 2)  # idle after it; freed last block first (a prefix outlives it)
+    pool.acquire_adapter("new", 2)
+    pool.release_adapter("new")
+    assert pool.can_allocate(6) and pool.stats().free_pages == 0
+    pool.allocate_kv(2)  # the adapter idle longest goes first
+    assert not pool.is_resident("old") and pool.stats().cached_pages == 2
+    pool.allocate_kv(1)  # then the tail block, then the head
+    assert pool.lookup([b"h0", b"h1"]) == blocks[:1]
+    pool.allocate_kv(1)
+    assert pool.lookup([b"h0"]) == [] and pool.is_resident("new")
+    assert pool.block_hashes() == {}
+
+
+def test_admission_counts_shared_blocks_as_held():
+    pool = PagePool(4)
+    pages = _cached(pool, 2)
+    pool.allocate_kv(2)  # no free page left: only the two idle blocks are obtainable
+    assert pool.can_admit_all(2, [])  # two new pages: evicting both blocks
+    assert not pool.can_admit_all(1, [], shared=pages[:2])  # sharing them leaves none
+    assert pool.can_admit_all(1, [], shared=pages[:1])
+
+
+def test_prefetch_takes_idle_blocks_but_no_adapter():
+    pool = PagePool(5)
+    pool.acquire_adapter("a", 2)
+    pool.release_adapter("a")
+    _cached(pool, 3)
+    assert pool.prefetch_adapter("b", 4) is None  # would need adapter a's pages
+    assert len(pool.prefetch_adapter("b", 3)) == 3
+    assert pool.is_resident("a") and pool.stats().cached_pages == 0
+
+
+def test_dropping_an_adapter_uncaches_its_blocks():
+    pool = PagePool(8)
+    mine = _cached(pool, 2, tag=(7,))
+    held = pool.allocate_kv(1)
+    pool.cache_block(held[0], b"held", (7, 9))
+    other = pool.allocate_kv(1)
+    pool.cache_block(other[0], b"base", ())
+    pool.free_kv(other)
+    assert not pool.drop_adapter(7)  # not resident: its blocks go all the same
+    assert pool.lookup([b"h0"]) == [] and pool.lookup([b"held"]) == []
+    assert set(mine) <= set(pool.free_pages()) and pool.cached_pages() == other
+    pool.free_kv(held)  # referenced while uncached: freed when let go
+    assert held[0] in pool.free_pages()

@@ -32,6 +32,7 @@ from ort_lora.adapters.base_model import base_model_mismatch
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
 from ort_lora.adapters.bounds import storage_type
 from ort_lora.adapters.compose import check_weights, segment_inputs
+from ort_lora.adapters.digest import adapter_digest
 from ort_lora.adapters.dora import dora_scale_rows
 from ort_lora.adapters.errors import (
     AdapterError,
@@ -135,6 +136,7 @@ class AdapterRegistry:
         self._requests: dict[int, LoRARequest] = {}
         self._ids: dict[str, int] = {}
         self._layouts: dict[int, SlotLayout] = {}  # of every registered adapter (no weights)
+        self._digests: dict[int, tuple[tuple, bytes]] = {}  # id -> files' stamp, content digest
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
         self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
@@ -170,6 +172,7 @@ class AdapterRegistry:
         self._requests[request.lora_int_id] = request
         self._ids[request.lora_name] = request.lora_int_id
         self._layouts[request.lora_int_id] = SlotLayout.of(adapter, self.manifest)
+        self._digests[request.lora_int_id] = (self._stamp(request), adapter_digest(adapter))
         if adapter.is_dora:
             self._dora_ids.add(request.lora_int_id)
             rows = {m: w.dora for m, w in adapter.modules.items() if w.dora is not None}
@@ -235,6 +238,7 @@ class AdapterRegistry:
         aid = request.lora_int_id
         assert not self._users.get(aid), f"adapter {request.lora_name!r} still has users"
         del self._requests[aid], self._ids[request.lora_name], self._layouts[aid]
+        del self._digests[aid]
         self.request_counts.pop(aid, None)
         self._dora_ids.discard(aid)
         self._dora_rows_kept.pop(aid, None)
@@ -283,8 +287,19 @@ class AdapterRegistry:
                 f"adapter {request.lora_name!r}: its files changed since it was registered "
                 "(ranks, scales or targeted modules differ); unload and load it again"
             )
+        stamp, digest = self._digests[aid]
+        if self._stamp(request) != stamp and adapter_digest(adapter) != digest:
+            raise AdapterError(
+                f"adapter {request.lora_name!r}: its weights changed since it was registered; "
+                "unload and load it again"
+            )  # (its KV in the prefix cache was computed with the registered weights)
         self._cache(aid, adapter)
         return adapter
+
+    def digest(self, name_or_id: str | int) -> bytes:
+        """The registered adapter's content digest (adapters/digest.py): what names its KV
+        in the prefix cache."""
+        return self._digests[self.request(name_or_id).lora_int_id][1]
 
     def cached_ids(self) -> list[int]:
         """Int ids of the adapters in the host cache, least recently used first."""

@@ -23,6 +23,7 @@ def assert_invariants(
     RequestTracker, whose unfinished sequences must be the scheduler's."""
     _pages_add_up(pool)
     _blocks_owned_once(pool, scheduler)
+    _cache_consistent(pool, scheduler)
     _adapters_pinned_by_running(pool, scheduler)
     if registry is not None:
         _adapters_registered_with_users(pool, registry, scheduler)
@@ -34,9 +35,10 @@ def assert_invariants(
 
 
 def _pages_add_up(pool: PagePool) -> None:
-    """Free, KV and adapter pages partition the pool: every page has exactly one use."""
+    """Free, KV, idle cached and adapter pages partition the pool: every page has exactly
+    one use."""
     adapter = [p for pages, _ in pool.residents().values() for p in pages]
-    used = Counter([*pool.free_pages(), *pool.kv_pages(), *adapter])
+    used = Counter([*pool.free_pages(), *pool.kv_pages(), *pool.cached_pages(), *adapter])
     twice = sorted(p for p, n in used.items() if n > 1)
     assert not twice, f"pages {twice} have more than one use"
     assert set(used) == set(range(pool.num_pages)), (
@@ -45,19 +47,42 @@ def _pages_add_up(pool: PagePool) -> None:
 
 
 def _blocks_owned_once(pool: PagePool, scheduler: Scheduler) -> None:
-    """Running sequences own the KV pages, each page one block of one sequence, enough
-    blocks for their computed tokens; waiting ones hold none."""
-    blocks = [p for s in scheduler.running for p in s.block_table]
-    assert len(blocks) == len(set(blocks)), "a KV page is in two block tables"
-    assert set(blocks) == pool.kv_pages(), "KV pages and running block tables differ"
-    bs = scheduler.config.block_size
+    """Running sequences hold the KV pages, each page's reference count the number of block
+    tables listing it, enough blocks for their computed tokens; a page in two tables is a
+    cached block, full and computed in each (nobody writes into a block another reads);
+    waiting ones hold none."""
+    blocks = Counter(p for s in scheduler.running for p in s.block_table)
+    assert dict(blocks) == pool.kv_refcounts(), "KV page references != running block tables"
+    hashed, bs = pool.block_hashes(), scheduler.config.block_size
     for s in scheduler.running:
         assert s.status is SequenceStatus.RUNNING, f"{s} is in the running list"
         assert len(s.block_table) * bs >= s.num_computed_tokens, f"{s} lacks blocks"
+        assert len(set(s.block_table)) == len(s.block_table), f"{s} lists a page twice"
+        for i, p in enumerate(s.block_table):
+            if blocks[p] > 1:
+                assert p in hashed, f"page {p} is in {blocks[p]} tables but not cached"
+                assert (i + 1) * bs <= s.num_computed_tokens, f"{s} shares unfinished block {i}"
     for s in scheduler.waiting:
         assert s.status is SequenceStatus.WAITING and not s.block_table, f"{s} is waiting"
     queued = [s.completion_id for s in [*scheduler.running, *scheduler.waiting]]
     assert sorted(queued) == sorted(scheduler.sequences), "running + waiting != sequences"
+
+
+def _cache_consistent(pool: PagePool, scheduler: Scheduler) -> None:
+    """Cached pages and hashes map one to one; an idle cached page is hashed and in no block
+    table; a running sequence's registered blocks carry the hashes of its own tokens."""
+    hashed = pool.block_hashes()
+    assert len(set(hashed.values())) == len(hashed), "two cached pages have one hash"
+    assert all(pool.hashed_page(h) == p for p, h in hashed.items()), "hash -> page is stale"
+    idle = pool.cached_pages()
+    assert set(idle) <= set(hashed), "an idle cached page has no hash"
+    assert not set(idle) & pool.kv_pages(), "an idle cached page is in a block table"
+    for s in scheduler.running:
+        assert s.num_cached_blocks <= len(s.block_hashes), f"{s} lacks hashes"
+        for i in range(s.num_cached_blocks):
+            page = s.block_table[i]
+            if page in hashed:  # (a block computed twice at once stays private)
+                assert hashed[page] == s.block_hashes[i], f"{s} block {i} has another hash"
 
 
 def _adapters_pinned_by_running(pool: PagePool, scheduler: Scheduler) -> None:

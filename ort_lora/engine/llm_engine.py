@@ -21,6 +21,7 @@ from ort_lora.engine.grammar import Grammars
 from ort_lora.engine.isolation import isolate, probe
 from ort_lora.engine.model_runner import ModelRunner
 from ort_lora.engine.pool import PagePool
+from ort_lora.engine.prefix_cache import BASE_SALT, adapter_salt, composed_salt
 from ort_lora.engine.request import (
     NOT_STOPPED,
     RequestLimits,
@@ -133,9 +134,10 @@ class LLMEngine:
         all_pages = pages + sum(n for _, n, _ in composition)
         max_tokens = check_request(ids, params, all_pages, self.limits)
         prompt_lp = params.prompt_logprobs is not None  # computed once, by completion 0
+        salt = self._cache_salt(aid, composition)
         seqs = [
             Sequence(completion_id(request_id, i), ids, max_tokens, aid, pages, params, lp,
-                     composition)
+                     composition, salt)
             for i, lp in enumerate([prompt_lp] + [False] * (params.n - 1))
         ]  # fmt: skip
         grammar = self.grammars.constraints_for(params.structured_outputs)
@@ -163,6 +165,15 @@ class LLMEngine:
         )
         named = tuple(replace(lora, weight=w) for lora, (_, w) in zip(loras, terms))
         return named, None, tuple((a, self.registry.num_pages_needed(a), w) for a, w in terms)
+
+    def _cache_salt(self, aid: int | None, composition) -> bytes | None:
+        """What names the request's KV in the prefix cache beside its tokens: the content of
+        its adapters (engine/prefix_cache.py); None when prefix caching is off."""
+        if not self.config.enable_prefix_caching:
+            return None
+        if composition:
+            return composed_salt([(self.registry.digest(a), w) for a, _, w in composition])
+        return BASE_SALT if aid is None else adapter_salt(self.registry.digest(aid))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its pages are free at once. Returns its final output."""

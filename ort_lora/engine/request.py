@@ -209,6 +209,7 @@ class RequestState:
             outputs=outputs,
             finished=all(o.finish_reason is not None for o in outputs),
             lora_request=self.lora_request,
+            num_cached_tokens=self.completions[0].seq.num_cached_tokens,
         )
 
 

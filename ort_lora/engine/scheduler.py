@@ -37,10 +37,20 @@ Rules of schedule() (every step, Orca-style continuous batching):
    lifetime, however many requests of popular adapters keep arriving.
 4. Prefetch (config.prefetch_adapters): the waiting queue is walked in order once more and
    the adapters of up to max_loras still-waiting requests that are not resident are put into
-   FREE pages (never evicting anything; the walk stops at the first that does not fit). They
-   are idle, so KV growth can still take their pages back; admitting their request later is
-   a hit. The engine copies them in with this step's loads; on a GPU the copy overlaps with
+   FREE pages or idle cached KV blocks' (never evicting an adapter; the walk stops at the
+   first that does not fit). They are idle, so KV growth can still take their pages back;
+   admitting their request later is a hit. The engine copies them in with this step's loads; on a GPU the copy overlaps with
    the step.
+5. Prefix caching (config.enable_prefix_caching; sequences with a cache_salt: the engine
+   sets it, engine/prefix_cache.py): at admission, the longest run of the prompt's leading
+   full blocks found in the pool's cache is shared (never the block of the last token: its
+   logits must be computed), so the request is admitted for its other blocks only and starts
+   at the first token not cached. A request that wants prompt logprobs looks nothing up (its
+   cached positions would have no logits); it still fills the cache. After each step, every
+   block a sequence filled and computed is registered under its hash, so a sequence never
+   writes into a shared block: shared blocks are full and before its first new token.
+   Preemption and finishing drop the references; the cached blocks stay, idle, until a hit
+   or eviction (engine/pool.py).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from dataclasses import dataclass
 
 from ort_lora.config import EngineConfig
 from ort_lora.engine.pool import PagePool
+from ort_lora.engine.prefix_cache import extend_hashes
 from ort_lora.engine.sequence import Sequence, SequenceStatus
 from ort_lora.engine.step_plan import BASE_SLOT, ScheduledSeq, StepAdapter, StepPlan, make_plan
 
@@ -63,6 +74,8 @@ class SchedulerStats:
     num_running: int
     num_preemptions: int  # total since start
     active_adapters: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_hits: int = 0  # of them, tokens found cached
 
 
 class _Step:
@@ -97,6 +110,11 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._cap_waits: dict[str, int] = {}  # steps a sequence was passed over by the cap
         self.num_preemptions = 0
+        self.caching = bool(config.enable_prefix_caching)
+        # adapter id (None: base) -> [prompt tokens queried, found]; a composition counts
+        # under each of its adapters
+        self.prefix_counts: dict[Hashable | None, list[int]] = {}
+        self._prefix_total = [0, 0]  # [queried, found] of every request
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -128,7 +146,12 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            len(self.waiting), len(self.running), self.num_preemptions, len(self._active())
+            len(self.waiting),
+            len(self.running),
+            self.num_preemptions,
+            len(self._active()),
+            self._prefix_total[0],
+            self._prefix_total[1],
         )
 
     # ---- one step ---------------------------------------------------------------------------
@@ -177,27 +200,67 @@ class Scheduler:
                     break  # it has waited long enough: let active adapters drain for it
                 blocked = blocked or seq
                 continue
-            kv_pages = seq.blocks_needed(self.config.block_size)
-            if not self.pool.can_admit_all(kv_pages, seq.adapters):
+            hit = self._cached_prefix(seq)
+            kv_pages = seq.blocks_needed(self.config.block_size) - len(hit)
+            if not self.pool.can_admit_all(kv_pages, seq.adapters, hit):
                 break
-            self._admit(seq, step)
+            self._admit(seq, step, hit)
             active.update(new)
         if blocked is not None and blocked.status is SequenceStatus.WAITING:
             cid = blocked.completion_id
             self._cap_waits[cid] = self._cap_waits.get(cid, 0) + 1
 
-    def _admit(self, seq: Sequence, step: _Step) -> None:
-        # resident adapters first: pinned, they cannot be evicted to load the others
+    def _admit(self, seq: Sequence, step: _Step, hit: list[int]) -> None:
+        # the cached prefix first, then resident adapters: pinned, none of them can be
+        # evicted to load the others
+        self.pool.share_kv(hit)
         for aid, pages in sorted(seq.adapters, key=lambda a: not self.pool.is_resident(a[0])):
             _, needs_load = self.pool.acquire_adapter(aid, pages)
             if needs_load:
                 step.loaded.add(aid)
+        seq.block_table = list(hit)
+        seq.num_cached_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * self.config.block_size
+        if not seq.num_preemptions:  # its first admission: what the API reports
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self._count_lookup(seq)
         self._grow(seq)
         self.waiting.remove(seq)
         self._cap_waits.pop(seq.completion_id, None)
         seq.set_status(SequenceStatus.RUNNING)
         insort(self.running, seq, key=lambda s: s.arrival)
         step.add(seq, min(seq.num_pending_tokens, step.budget))
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages of the longest cached run of the sequence's leading full blocks, short of
+        the block of its last token (rule 5); [] when it takes no part in caching."""
+        if not self.caching or seq.cache_salt is None or seq.wants_prompt_logprobs:
+            return []
+        bs = self.config.block_size
+        blocks = (seq.num_tokens - 1) // bs
+        extend_hashes(seq.block_hashes, seq.cache_salt, seq.token_ids, blocks, bs)
+        return self.pool.lookup(seq.block_hashes[:blocks])
+
+    def _count_lookup(self, seq: Sequence) -> None:
+        if not self.caching or seq.cache_salt is None or seq.wants_prompt_logprobs:
+            return
+        counts = (seq.num_prompt_tokens, min(seq.num_cached_tokens, seq.num_prompt_tokens))
+        for key in seq.adapter_ids or (None,):
+            c = self.prefix_counts.setdefault(key, [0, 0])
+            c[0], c[1] = c[0] + counts[0], c[1] + counts[1]
+        self._prefix_total[0] += counts[0]
+        self._prefix_total[1] += counts[1]
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Register the blocks the sequence has filled and computed since the last call."""
+        bs = self.config.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if not self.caching or seq.cache_salt is None or full <= seq.num_cached_blocks:
+            return
+        extend_hashes(seq.block_hashes, seq.cache_salt, seq.token_ids, full, bs)
+        for i in range(seq.num_cached_blocks, full):
+            self.pool.cache_block(seq.block_table[i], seq.block_hashes[i], seq.adapter_ids)
+        seq.num_cached_blocks = full
 
     def _prefetch(self) -> list[StepAdapter]:
         out: list[StepAdapter] = []
@@ -248,6 +311,7 @@ class Scheduler:
         for e in live:  # (sequences aborted during the step, e.g. a failed request, are gone)
             seq = self.sequences[e.completion_id]
             self._advance(seq, e)
+            self._cache_blocks(seq)
             if not e.sample:
                 continue
             seq.append_token(sampled[e.completion_id])
@@ -289,6 +353,7 @@ class Scheduler:
         """Give back a running sequence's KV pages and adapter pin."""
         self.pool.free_kv(seq.block_table)
         seq.block_table = []
+        seq.num_cached_blocks = 0
         for aid in seq.adapter_ids:
             self.pool.release_adapter(aid)
         self.running.remove(seq)

@@ -60,6 +60,8 @@ class Sequence:
     composition:           ((adapter id, pages, weight), ...) of a composed request (its rows
                            get sum_i w_i * adapter_i); adapter_id is None then. Every composed
                            adapter is pinned while it runs and counts against max_loras.
+    cache_salt:            what, beside the tokens, its KV depends on (the adapter content:
+                           engine/prefix_cache.py); None: it takes no part in prefix caching
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class Sequence:
         sampling_params: Any = None,
         wants_prompt_logprobs: bool = False,
         composition: SeqOf[tuple[Hashable, int, float]] = (),
+        cache_salt: bytes | None = None,
     ):
         self.completion_id = completion_id
         self.prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
@@ -92,6 +95,10 @@ class Sequence:
         # What ended it when status is FINISHED_STOPPED: the stop token id or stop string,
         # None for an EOS token (vLLM's stop_reason). The finish reason is the status itself.
         self.stop_reason: int | str | None = None
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []  # of its first full blocks (prefix_cache.py)
+        self.num_cached_blocks = 0  # leading blocks of block_table that are in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the cache at its first admission
         assert self.prompt_token_ids and self.max_tokens >= 1, f"unchecked request: {self}"
         assert adapter_id is None or adapter_pages >= 1, f"adapter without pages: {self}"
         assert adapter_id is None or not composition, f"an adapter and a composition: {self}"

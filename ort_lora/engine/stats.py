@@ -1,5 +1,6 @@
 """What /metrics shows of an engine: requests, pool pages by use, per-adapter residency and
-counters, the last step's times. Read between steps (AsyncEngine keeps a snapshot)."""
+counters, prefix-cache lookups (in prompt tokens, total and per adapter), the last step's
+times. Read between steps (AsyncEngine keeps a snapshot)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ def engine_stats(
         aid = r.lora_int_id
         where = "device" if pool.is_resident(aid) else "host" if aid in cached else "none"
         counters = pool.adapter_counters.get(aid, {})
+        queried, found = scheduler.prefix_counts.get(aid, (0, 0))
         adapters[r.lora_name] = {
             "resident": where,
             **{k: counters.get(k, 0) for k in COUNTERS},
             "requests": registry.request_counts.get(aid, 0),  # alone or composed
+            "prefix_queries": queried,
+            "prefix_hits": found,
         }
     return {
         "running": sched.num_running,
@@ -34,7 +38,9 @@ def engine_stats(
             "kv": pages.kv_pages,
             "free": pages.free_pages,
             "adapter": pages.adapter_pages_pinned + pages.adapter_pages_idle,
+            "cached": pages.cached_pages,
         },
+        "prefix_cache": {"queries": sched.prefix_queries, "hits": sched.prefix_hits},
         "adapters": adapters,
         "step": times,
     }

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not copy adapters into free pool pages when they are registered (they are "
         "then read from disk in their first request's step)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV cache of prompt prefixes already computed under the same adapter "
+        "(default: on)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request")
@@ -175,7 +182,7 @@ RAY_ONLY += ("max_ongoing_requests", "ray_routing")
 def engine_overrides(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line."""
     names = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
-    names += ("max_model_len", "num_pages", "preload_adapters")
+    names += ("max_model_len", "num_pages", "preload_adapters", "enable_prefix_caching")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.pool_memory_mb is not None:
         overrides["pool_memory_bytes"] = args.pool_memory_mb << 20

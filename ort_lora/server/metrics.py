@@ -1,6 +1,6 @@
 """Prometheus metrics, vLLM's names under an `ort_lora:` prefix, plus what is particular to
-unified paging: per-adapter residency, loads, evictions, cache hits/misses, and pool pages by
-use.
+unified paging: per-adapter residency, loads, evictions, cache hits/misses, prefix-cache
+lookups per adapter, and pool pages by use.
 
 Latencies and token counts are observed by the HTTP layer as requests stream; engine state
 (queues, preemptions, adapters, pool) is read from `engine.stats()` at scrape time, so the
@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "ort_lora:"
 RESIDENCY = ("device", "host", "none")
-POOL_USES = ("kv", "adapter", "free")
+POOL_USES = ("kv", "adapter", "cached", "free")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120)
@@ -42,11 +42,27 @@ class EngineStatsCollector:
         for use in POOL_USES:
             pool.add_metric([use], stats["pool"].get(use, 0))
         yield pool
+        yield from _prefix_families(stats.get("prefix_cache", {}))
         yield from _adapter_families(stats.get("adapters", {}))
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
     return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _prefix_families(prefix: dict):
+    queries, hits = prefix.get("queries", 0), prefix.get("hits", 0)
+    yield CounterMetricFamily(
+        PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries
+    )
+    yield CounterMetricFamily(
+        PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", hits
+    )
+    yield _gauge(
+        "prefix_cache_hit_rate",
+        "Share of looked-up prompt tokens found in the prefix cache, since start",
+        hits / queries if queries else 0.0,
+    )
 
 
 def _adapter_families(adapters: dict[str, dict]):
@@ -64,6 +80,8 @@ def _adapter_families(adapters: dict[str, dict]):
             ("hits", "Requests that found their adapter resident in the pool"),
             ("misses", "Requests that had to load their adapter"),
             ("requests", "Requests served with the adapter, alone or in a composition"),
+            ("prefix_queries", "Prompt tokens of the adapter's requests looked up in the cache"),
+            ("prefix_hits", "Prompt tokens of the adapter's requests found in the cache"),
         )
     }
     for name, info in sorted(adapters.items()):

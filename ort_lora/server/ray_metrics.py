@@ -32,6 +32,7 @@ logger = logging.getLogger("ort_lora.server")
 RAY_SCRAPE_TIMEOUT_S = 2.0
 _RESIDENCY_ORDER = ("none", "host", "device")
 _EMPTY_STATS = {"running": 0, "waiting": 0, "preemptions": 0, "pool": {}, "adapters": {}}
+_EMPTY_STATS |= {"prefix_cache": {}}
 # the families EngineStatsCollector emits: shown per replica instead of once
 ENGINE_FAMILIES = frozenset(f.name for f in EngineStatsCollector(lambda: _EMPTY_STATS).collect())
 
@@ -40,12 +41,14 @@ def cluster_totals(replicas: dict[str, dict]) -> dict:
     """The replicas' engine stats added up, in engine_stats()'s shape (an adapter's residency
     is the best of any replica's)."""
     out = {"running": 0, "waiting": 0, "preemptions": 0, "pool": {}, "adapters": {}}
+    out["prefix_cache"] = {}
     for figures in replicas.values():
         stats = figures["stats"]
         for key in ("running", "waiting", "preemptions"):
             out[key] += stats[key]
-        for use, pages in stats["pool"].items():
-            out["pool"][use] = out["pool"].get(use, 0) + pages
+        for part in ("pool", "prefix_cache"):
+            for key, value in stats.get(part, {}).items():
+                out[part][key] = out[part].get(key, 0) + value
         for name, info in stats["adapters"].items():
             total = out["adapters"].setdefault(name, {"resident": "none"})
             for key, value in info.items():
