@@ -190,3 +190,22 @@ def test_caching_off_takes_no_part(tiny_llama_export):
     off.generate([SYSTEM, SYSTEM], GREEDY)
     stats = off.engine.pool.stats()
     assert stats.cached_pages == 0 and off.engine.scheduler.stats().prefix_queries == 0
+
+
+def test_weights_changed_under_a_loaded_adapter_are_refused(tiny_llama_export, adapter_dirs,
+                                                            tmp_path):  # fmt: skip
+    """Its cached KV was computed with the weights it was loaded with: a re-read that finds
+    other weights (same ranks and modules) fails by name instead of mixing the two."""
+    from safetensors.numpy import load_file, save_file
+
+    from ort_lora.adapters import AdapterError
+
+    path = tmp_path / "t"
+    shutil.copytree(adapter_dirs["one"], path)
+    engine = _llm(tiny_llama_export, True).engine
+    engine.add_lora(LoRARequest("t", 5, str(path)))
+    engine.registry.get("t")  # read again from disk (no host cache on a CPU pool): unchanged
+    weights = path / "adapter_model.safetensors"
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
+    with pytest.raises(AdapterError, match="'t': its weights changed since it was registered"):
+        engine.registry.get("t")

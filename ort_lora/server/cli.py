@@ -295,6 +295,7 @@ def served_summary(engine, args: argparse.Namespace, listener: socket.socket) ->
         f"adapters {', '.join(names) if names else '(none)'}{root}",
         f"pool {config.num_pages} pages of {config.block_size} tokens ({pool_mib:.0f} MiB), "
         f"max_loras {config.max_loras}, max_num_seqs {config.max_num_seqs}, "
-        f"max_model_len {config.max_model_len}",
+        f"max_model_len {config.max_model_len}, prefix caching "
+        f"{'on' if config.enable_prefix_caching else 'off'}",
         f"listening on http://{host}:{port} (OpenAI API under /v1)",
     ]
