@@ -1,17 +1,17 @@
-"""AdapterRegistry: registered adapters, their users and unloading, a bounded host cache, and
-the per-step LoRA inputs.
+"""AdapterRegistry: which adapters are registered, under which names and int ids, who uses
+them, and their unloading; the one object the engine asks about adapters.
 
-Pure bookkeeping over numpy: no onnxruntime, no torch. Which adapter sits in which pool pages
-is the pool / scheduler's business; the registry turns (slot, adapter, pages) into the
-lora_{m}_* graph inputs and copies an adapter's rows into pages on request.
-
-DoRA adapters get their scale rows when loaded (adapters/dora.py), from the base weights of
-the export the manifest was loaded from (adapters/base_weights.py) or those given. A
-registered DoRA adapter's rows (one float per output row per module and layer) are kept, so a
-reload after a host-cache eviction reads the files again but does not recompute them (unless
-the adapter's files changed since). Composed
-requests: `composition` checks a request's [(adapter, weight)], and lora_step_inputs takes the
-step's segments as (slot, weight) terms (adapters/compose.py).
+Its parts, one job each:
+  names.py        what an adapter may be called and where its files may live
+  loader.py       AdapterLoader: read, check and convert an adapter's files (and DoRA rows)
+  host_cache.py   HostCache: converted adapters kept in host memory, LRU-bounded
+  step_inputs.py  StepInputs: the per-step LoRA graph inputs of (slot, adapter, pages)
+  digest.py       the content digest that names an adapter's KV in the prefix cache
+The registry keeps, per registered adapter: its request, its layout (pool pages, no weights),
+its content digest, whether it is DoRA and its DoRA rows (so that a reload after a host-cache
+eviction reads the files again but does not recompute them, unless they changed since).
+Which adapter sits in which pool pages is the pool / scheduler's business. Composed requests:
+`composition` checks a request's [(adapter, weight)] (adapters/compose.py).
 
 Unloading drains: `unload(name)` stops new users at once (`resolve` refuses the name, it is no
 longer listed), but the adapter stays registered until its last user (an unfinished sequence,
@@ -22,86 +22,30 @@ the caller frees the adapter's pool pages.
 from __future__ import annotations
 
 import logging
-import re
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from ort_lora.adapters.base_model import base_model_mismatch
-from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
-from ort_lora.adapters.bounds import storage_type
-from ort_lora.adapters.compose import check_weights, segment_inputs
+from ort_lora.adapters.base_weights import BaseWeights
+from ort_lora.adapters.compose import check_weights
 from ort_lora.adapters.digest import adapter_digest
-from ort_lora.adapters.dora import dora_scale_rows
-from ort_lora.adapters.errors import (
-    AdapterError,
-    AdapterNotFoundError,
-    AdapterPathError,
-    CompositionError,
-)
-from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
-from ort_lora.adapters.layout import SlotLayout, prepare_rows, step_tables, write_to_pool
-from ort_lora.adapters.peft_config import CONFIG_NAME
+from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, CompositionError
+from ort_lora.adapters.host import HostAdapter
+from ort_lora.adapters.host_cache import HostCache
+from ort_lora.adapters.layout import SlotLayout, write_to_pool
+from ort_lora.adapters.loader import AdapterLoader
+from ort_lora.adapters.names import NAME_RE, check_name, resolve_adapter_dir
+from ort_lora.adapters.step_inputs import StepInputs, StepSegments
 from ort_lora.contract import ModelManifest
 from ort_lora.lora_request import LoRARequest
 
+__all__ = ["NAME_RE", "AdapterRegistry", "check_name", "resolve_adapter_dir"]
+
 # (slot, adapter int id or name, pages) for each adapter slot of a step
 StepSlots = list[tuple[int, int | str, tuple[int, ...]]]
-# per segment of a step (lora_seg_starts order): its (slot, weight) terms; [] = base rows
-StepSegments = list[list[tuple[int, float]]]
-_MAX_STEP_ENTRIES = 1024
-# Adapter names: what an API `model` field, a metrics label and a log line carry safely. No
-# spaces, quotes, newlines or "+" (reserved to compose adapters), at most 128 characters.
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 
 logger = logging.getLogger("ort_lora.adapters")
-
-
-def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
-    """The adapter directory, resolved (symlinks followed; a relative path is taken from
-    `root` when given). With `root`, the directory and each file read from it must lie
-    inside it (AdapterPathError); a path that cannot be resolved (a symlink loop, a NUL, a
-    name too long) is an AdapterError. Errors show the path as given (cut to 200 characters)
-    and the file's name in it, never where it resolves to nor the root (the server's layout)."""
-    shown = repr(str(path)[:200])
-    try:
-        where = Path(path).expanduser()
-        if root is not None and not where.is_absolute():
-            where = Path(root) / where
-        resolved = where.resolve()
-        files = {name: (resolved / name).resolve() for name in (CONFIG_NAME, WEIGHTS_NAME)}
-    except (OSError, RuntimeError, ValueError) as e:
-        why = _unresolvable(e)
-        raise AdapterError(f"adapter path {shown} cannot be resolved: {why}") from None
-    if root is not None:
-        root = Path(root).resolve()
-        for name, p in [("", resolved), *files.items()]:
-            if not p.is_relative_to(root):
-                what = f"adapter path {shown}" + (f" (its {name})" if name else "")
-                raise AdapterPathError(
-                    f"{what} resolves outside the adapter root (symlinks are followed)"
-                )
-    return resolved
-
-
-def _unresolvable(e: Exception) -> str:
-    """Why a path cannot be resolved, without the paths an OSError or RuntimeError names."""
-    if isinstance(e, OSError):
-        return e.strerror or type(e).__name__
-    if isinstance(e, RuntimeError):
-        return "a symlink loop"
-    return "it holds a NUL character" if "null" in str(e) else "not a valid path"
-
-
-def check_name(name: str) -> None:
-    """AdapterError unless `name` is a valid adapter name (NAME_RE)."""
-    if not NAME_RE.fullmatch(name):
-        shown = name if len(name) <= 64 else name[:64] + "..."
-        raise AdapterError(
-            f"adapter name {shown!r} is not allowed: 1-128 characters, letters, digits and "
-            "._:@/- only, starting with a letter or digit"
-        )
 
 
 class AdapterRegistry:
@@ -110,8 +54,7 @@ class AdapterRegistry:
     register() validates eagerly (a bad adapter fails there, with an AdapterError). Adapters
     evicted from the host cache are reloaded from disk by get(). With adapter_root set, every
     adapter path must resolve (symlinks followed) inside it, else AdapterPathError.
-    base_weights: where DoRA adapters' base weights come from; None: the export the manifest
-    was loaded from (manifest.model_dir), read back by memory map on the first DoRA adapter.
+    base_weights: where DoRA adapters' base weights come from (AdapterLoader).
     """
 
     def __init__(
@@ -126,24 +69,26 @@ class AdapterRegistry:
         if max_cpu_loras < 0:
             raise ValueError(f"max_cpu_loras must be >= 0, got {max_cpu_loras}")
         self.manifest = manifest
-        self.max_cpu_loras = max_cpu_loras
-        self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
-        self.base_weights = base_weights
-        if base_weights is None and manifest.model_dir is not None:
-            self.base_weights = ExportedWeights(manifest.model_dir)  # indexed on first use
-        self._dora_ids: set[int] = set()  # registered DoRA adapters
-        self._dora_rows_kept: dict[int, tuple[tuple, dict[str, np.ndarray]]] = {}  # id -> stamp, D
+        self.loader = AdapterLoader(manifest, adapter_root, base_weights)
+        self._host = HostCache(max_cpu_loras, self._reload)
+        self._step = StepInputs(manifest)
         self._requests: dict[int, LoRARequest] = {}
         self._ids: dict[str, int] = {}
         self._layouts: dict[int, SlotLayout] = {}  # of every registered adapter (no weights)
         self._digests: dict[int, tuple[tuple, bytes]] = {}  # id -> files' stamp, content digest
-        self._host: OrderedDict[int, HostAdapter] = OrderedDict()
-        self._step_parts: OrderedDict[tuple, dict] = OrderedDict()
-        self._last_step: tuple[tuple, dict[str, np.ndarray]] | None = None
+        self._dora_rows_kept: dict[int, tuple[tuple, dict[str, np.ndarray]]] = {}  # id -> stamp, D
         self._users: dict[int, int] = {}  # int id -> unfinished sequences using it
         self.request_counts: dict[int, int] = {}  # int id -> requests served with it (metrics)
         self._unloading: set[int] = set()  # int ids drained before they are unregistered
-        self.stats = {"loads": 0, "host_hits": 0, "host_misses": 0, "host_evictions": 0}
+
+    @property
+    def base_weights(self) -> BaseWeights | None:
+        return self.loader.base_weights
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Adapter reads ("loads") and host-cache hits, misses and evictions."""
+        return {"loads": self.loader.loads, **self._host.stats}
 
     # --- registration -------------------------------------------------------------------------
 
@@ -169,22 +114,21 @@ class AdapterRegistry:
         other_base = base_model_mismatch(adapter.base_model, self.manifest.source)
         if other_base is not None:
             logger.warning("adapter %r: %s", request.lora_name, other_base)
-        self._requests[request.lora_int_id] = request
-        self._ids[request.lora_name] = request.lora_int_id
-        self._layouts[request.lora_int_id] = SlotLayout.of(adapter, self.manifest)
-        self._digests[request.lora_int_id] = (self._stamp(request), adapter_digest(adapter))
+        aid, stamp = request.lora_int_id, self.loader.stamp(request)
+        self._requests[aid] = request
+        self._ids[request.lora_name] = aid
+        self._layouts[aid] = SlotLayout.of(adapter, self.manifest)
+        self._digests[aid] = (stamp, adapter_digest(adapter))
         if adapter.is_dora:
-            self._dora_ids.add(request.lora_int_id)
             rows = {m: w.dora for m, w in adapter.modules.items() if w.dora is not None}
-            self._dora_rows_kept[request.lora_int_id] = (self._stamp(request), rows)
-        self._cache(request.lora_int_id, adapter)
+            self._dora_rows_kept[aid] = (stamp, rows)
+        self._host.put(aid, adapter)
         return adapter
 
     def resolve(self, request: LoRARequest, register: bool = True) -> LoRARequest:
         """The registered request of this name (registered now if `register`, else not
         found); an adapter being unloaded is not found."""
-        if self._is_unloading(request.lora_name) or self._is_unloading(request.lora_int_id):
-            raise AdapterNotFoundError(f"adapter not found: {request.lora_name!r} (being unloaded)")
+        self._not_unloading(request.lora_name, request.lora_int_id, shown=request.lora_name)
         if request.lora_name in self._ids:
             return self.request(request.lora_name)
         if not register:
@@ -215,8 +159,7 @@ class AdapterRegistry:
     def unload(self, name_or_id: str | int) -> int | None:
         """Stop new users of the adapter and unregister it once the last user is gone.
         Returns its id if that is now (free its pool pages), else None (draining)."""
-        if self._is_unloading(name_or_id):
-            raise AdapterNotFoundError(f"adapter not found: {name_or_id!r} (being unloaded)")
+        self._not_unloading(name_or_id)
         aid = self.request(name_or_id).lora_int_id
         self._unloading.add(aid)
         return self._finish_unload(aid)
@@ -232,6 +175,14 @@ class AdapterRegistry:
         aid = self._ids.get(name_or_id) if isinstance(name_or_id, str) else name_or_id
         return aid in self._unloading
 
+    def _not_unloading(self, *names_or_ids: str | int, shown: str | None = None) -> None:
+        """AdapterNotFoundError naming the first of these names or ids that is an adapter
+        being unloaded (or `shown`): the one guard of resolving, unloading and composing."""
+        for name_or_id in names_or_ids:
+            if self._is_unloading(name_or_id):
+                name = shown if shown is not None else name_or_id
+                raise AdapterNotFoundError(f"adapter not found: {name!r} (being unloaded)")
+
     def unregister(self, name_or_id: str | int) -> LoRARequest:
         """Forget the adapter now (host copy and cached step inputs included)."""
         request = self.request(name_or_id)
@@ -240,12 +191,9 @@ class AdapterRegistry:
         del self._requests[aid], self._ids[request.lora_name], self._layouts[aid]
         del self._digests[aid]
         self.request_counts.pop(aid, None)
-        self._dora_ids.discard(aid)
         self._dora_rows_kept.pop(aid, None)
-        self._host.pop(aid, None)
-        for key in [k for k in self._step_parts if k[0] == aid]:
-            del self._step_parts[key]
-        self._last_step = None
+        self._host.drop(aid)
+        self._step.forget(aid)
         return request
 
     def request(self, name_or_id: str | int) -> LoRARequest:
@@ -268,102 +216,20 @@ class AdapterRegistry:
         """The adapters served: registered and not being unloaded."""
         return [r for aid, r in self._requests.items() if aid not in self._unloading]
 
-    # --- host cache ---------------------------------------------------------------------------
+    # --- what is known of a registered adapter --------------------------------------------------
 
-    def get(self, name_or_id: str | int) -> HostAdapter:
-        """The converted adapter, from the host cache or reloaded from disk."""
-        aid = self.request(name_or_id).lora_int_id
-        if aid in self._host:
-            self.stats["host_hits"] += 1
-            self._host.move_to_end(aid)
-            return self._host[aid]
-        self.stats["host_misses"] += 1
-        kept = self._dora_rows_kept.get(aid)
-        request = self._requests[aid]
-        rows = kept[1] if kept is not None and kept[0] == self._stamp(request) else None
-        adapter = self.load(request, rows)
-        if not SlotLayout.of(adapter, self.manifest).same_as(self._layouts[aid]):
-            raise AdapterError(
-                f"adapter {request.lora_name!r}: its files changed since it was registered "
-                "(ranks, scales or targeted modules differ); unload and load it again"
-            )
-        stamp, digest = self._digests[aid]
-        if self._stamp(request) != stamp and adapter_digest(adapter) != digest:
-            raise AdapterError(
-                f"adapter {request.lora_name!r}: its weights changed since it was registered; "
-                "unload and load it again"
-            )  # (its KV in the prefix cache was computed with the registered weights)
-        self._cache(aid, adapter)
-        return adapter
+    def num_pages_needed(self, name_or_id: str | int) -> int:
+        """Pool pages the adapter occupies (known from registration, no reload)."""
+        return self._layouts[self.request(name_or_id).lora_int_id].num_pages
 
     def digest(self, name_or_id: str | int) -> bytes:
         """The registered adapter's content digest (adapters/digest.py): what names its KV
         in the prefix cache."""
         return self._digests[self.request(name_or_id).lora_int_id][1]
 
-    def cached_ids(self) -> list[int]:
-        """Int ids of the adapters in the host cache, least recently used first."""
-        return list(self._host)
-
-    def num_pages_needed(self, name_or_id: str | int) -> int:
-        """Pool pages the adapter occupies (known from registration, no reload)."""
-        return self._layouts[self.request(name_or_id).lora_int_id].num_pages
-
-    def load(
-        self, request: LoRARequest, dora_rows: dict[str, np.ndarray] | None = None
-    ) -> HostAdapter:
-        """Read, check and convert the adapter's files (AdapterError names the problem);
-        changes nothing here, so any thread may call it. dora_rows: a DoRA adapter's D per
-        module, computed before from these same files (else computed now)."""
-        check_name(request.lora_name)
-        path = self._check_path(request.lora_path)
-        try:
-            adapter = load_adapter(request.lora_name, path, self.manifest)
-        except OSError as e:  # unreadable, a directory where a file should be, too long
-            raise AdapterError(
-                f"adapter {request.lora_name!r}: cannot read its files: {_unresolvable(e)}"
-            ) from None
-        if (
-            adapter.is_dora
-            and dora_rows is not None
-            and set(dora_rows) == {m for m, w in adapter.modules.items() if w.magnitude is not None}
-        ):
-            for m, d in dora_rows.items():
-                adapter.modules[m].dora, adapter.modules[m].magnitude = d, None
-        elif adapter.is_dora:
-            self._dora_rows(adapter)
-        prepare_rows(adapter, self.manifest.adapter_dtype)
-        self.stats["loads"] += 1
-        return adapter
-
-    def _stamp(self, request: LoRARequest) -> tuple:
-        """(size, mtime) of the adapter's files: whether kept DoRA rows are still theirs."""
-        try:
-            path = self._check_path(request.lora_path)
-            stats = [(path / name).stat() for name in (CONFIG_NAME, WEIGHTS_NAME)]
-        except (OSError, AdapterError):
-            return ()
-        return tuple((st.st_size, st.st_mtime_ns) for st in stats)
-
-    def _dora_rows(self, adapter: HostAdapter) -> None:
-        """Compute a DoRA adapter's scale rows; AdapterError when this export cannot serve it."""
-        if "dora" not in self.manifest.lora_features:
-            raise AdapterError(
-                f"adapter {adapter.name!r} is a DoRA adapter (use_dora), but the exported model "
-                "predates DoRA support (its manifest's lora_features lacks 'dora'): re-export it"
-            )
-        if self.base_weights is None:
-            raise AdapterError(
-                f"adapter {adapter.name!r} is a DoRA adapter (use_dora): its scale needs the "
-                "base weights, and this registry has none (no model directory, no base_weights)"
-            )
-        dora_scale_rows(
-            adapter, self.base_weights, self.manifest.adapter_dtype, storage_type(self.manifest)
-        )
-
     def is_dora(self, name_or_id: str | int) -> bool:
         """Whether the registered adapter is a DoRA adapter (it cannot be composed)."""
-        return self.request(name_or_id).lora_int_id in self._dora_ids
+        return self.request(name_or_id).lora_int_id in self._dora_rows_kept
 
     def composition(
         self, adapters: list[tuple[str | int, float]], max_loras: int | None = None
@@ -380,31 +246,54 @@ class AdapterRegistry:
                 "the exported model predates composition (its manifest's lora_features lacks "
                 "'composition'): re-export it to compose adapters"
             )
-        for name_or_id, _ in adapters:
-            if self._is_unloading(name_or_id):
-                raise AdapterNotFoundError(f"adapter not found: {name_or_id!r} (being unloaded)")
+        self._not_unloading(*(name_or_id for name_or_id, _ in adapters))
         out = [(self.request(a).lora_int_id, w) for a, w in adapters]
         check_weights(out, [str(a) for a, _ in adapters], max_loras)
         for (aid, _), (name_or_id, _) in zip(out, adapters):
-            if aid in self._dora_ids:
+            if self.is_dora(aid):
                 raise CompositionError(
                     f"adapter {name_or_id!r} is a DoRA adapter: DoRA adapters cannot be composed "
                     "(each rescales the whole module output by its own magnitude)"
                 )
-        out = [(aid, float(w)) for aid, w in out]
-        return tuple(out)
+        return tuple((aid, float(w)) for aid, w in out)
 
-    def _cache(self, aid: int, adapter: HostAdapter) -> None:
-        self._host[aid] = adapter
-        self._host.move_to_end(aid)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
-            self.stats["host_evictions"] += 1
+    # --- host copies ----------------------------------------------------------------------------
 
-    def _check_path(self, path: str) -> Path:
-        return resolve_adapter_dir(path, self.adapter_root)
+    def get(self, name_or_id: str | int) -> HostAdapter:
+        """The converted adapter, from the host cache or reloaded from disk."""
+        return self._host.get(self.request(name_or_id).lora_int_id)
 
-    # --- pool pages -----------------------------------------------------------------------------
+    def cached_ids(self) -> list[int]:
+        """Int ids of the adapters in the host cache, least recently used first."""
+        return self._host.ids()
+
+    def load(
+        self, request: LoRARequest, dora_rows: dict[str, np.ndarray] | None = None
+    ) -> HostAdapter:
+        """Read, check and convert the adapter's files (AdapterLoader.load); changes nothing
+        here, so any thread may call it."""
+        return self.loader.load(request, dora_rows)
+
+    def _reload(self, aid: int) -> HostAdapter:
+        """A registered adapter read from disk again (a host-cache miss): its kept DoRA rows
+        reused if its files did not change; AdapterError if they hold another adapter now."""
+        request, kept = self._requests[aid], self._dora_rows_kept.get(aid)
+        stamp = self.loader.stamp(request)
+        adapter = self.load(request, kept[1] if kept is not None and kept[0] == stamp else None)
+        if not SlotLayout.of(adapter, self.manifest).same_as(self._layouts[aid]):
+            raise AdapterError(
+                f"adapter {request.lora_name!r}: its files changed since it was registered "
+                "(ranks, scales or targeted modules differ); unload and load it again"
+            )
+        registered_stamp, digest = self._digests[aid]
+        if stamp != registered_stamp and adapter_digest(adapter) != digest:
+            raise AdapterError(
+                f"adapter {request.lora_name!r}: its weights changed since it was registered; "
+                "unload and load it again"
+            )  # (its KV in the prefix cache was computed with the registered weights)
+        return adapter
+
+    # --- pool pages and step inputs -------------------------------------------------------------
 
     def write_to_pool(
         self, name_or_id: str | int, pages, pool: np.ndarray, adapter: HostAdapter | None = None
@@ -431,36 +320,9 @@ class AdapterRegistry:
         The per-module arrays are cached per (adapter, pages) and shared with the cache: do not
         modify them.
         """
-        key = (num_pages, tuple((int(s), a, tuple(int(p) for p in pg)) for s, a, pg in slots))
-        if self._last_step is None or self._last_step[0] != key:
-            slot_ids = [s for s, _, _ in key[1]]
-            if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
-                raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
-            parts = {slot: self._slot_part(aid, pages, num_pages) for slot, aid, pages in key[1]}
-            self._last_step = (key, step_tables(parts, self.manifest))
-        out = self._last_step[1]  # with E = 0 composition entries if the export has them
-        if segments is None:
-            return out
-        if "composition" not in self.manifest.lora_features:
-            raise ValueError("this export has no composition inputs (manifest lora_features)")
-        dora = {s for s, aid, _ in key[1] if self.request(aid).lora_int_id in self._dora_ids}
-        return out | segment_inputs(segments, dora)
+        ids = [(s, self.request(a).lora_int_id, pages) for s, a, pages in slots]
+        return self._step.inputs(ids, num_pages, segments, self._layouts, self._dora_rows_kept)
 
     def clear_step_cache(self) -> None:
         """Drop the cached per-(adapter, pages) step inputs (they are rebuilt on demand)."""
-        self._step_parts.clear()
-        self._last_step = None
-
-    def _slot_part(self, name_or_id: str | int, pages: tuple, num_pages: int) -> dict:
-        """module -> (a_off [R], b_off [R], ranks int32 [L], scales float32 [L], dora_off) for
-        one slot (dora_off -1: no DoRA rows)."""
-        aid = self.request(name_or_id).lora_int_id
-        key = (aid, pages, num_pages)
-        if key in self._step_parts:
-            self._step_parts.move_to_end(key)
-            return self._step_parts[key]
-        part = self._layouts[aid].part(pages, num_pages)  # no host copy needed
-        self._step_parts[key] = part
-        while len(self._step_parts) > _MAX_STEP_ENTRIES:
-            self._step_parts.popitem(last=False)
-        return part
+        self._step.clear()

@@ -36,12 +36,12 @@ from ort_lora.engine.scheduler import Scheduler
 from ort_lora.engine.sequence import Sequence
 from ort_lora.engine.stats import engine_stats
 from ort_lora.engine.step_plan import ScheduledSeq, StepPlan
-from ort_lora.engine.timing import StepTimes
 from ort_lora.errors import internal_error, logger
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.runtime.session import ModelSession
 from ort_lora.sampling_params import SamplingParams
+from ort_lora.timing import StepTimes
 from ort_lora.tokenizer import Tokenizer
 
 # consecutive failed steps (the model itself fails: see _isolate) that make the engine unhealthy
@@ -106,7 +106,7 @@ class LLMEngine:
         """Unload an adapter: new requests for it fail at once; running ones finish first."""
         drained = self.registry.unload(name_or_id)
         if drained is not None:
-            self.pool.drop_adapter(drained)
+            self.tracker.drop_adapter(drained)
 
     def list_loras(self) -> list[LoRARequest]:
         return self.registry.requests()
@@ -229,14 +229,13 @@ class LLMEngine:
                 name = self.registry.request(aid).lora_name
                 error = AdapterError(f"adapter {name!r} could not be loaded: {error}")
                 self.tracker.fail_adapter(aid, error)
-                self.pool.drop_adapter(aid)  # resident without its weights
         return not failed
 
     def _start_masks(self, plan: StepPlan):
         """Grammar masks of the plan's constrained sampled rows (engine/grammar.py)."""
         with self.times.phase("grammar"):
             owners = [
-                (e.completion_id, self.tracker.owner(e.completion_id)[1])
+                (e.completion_id, self.tracker.owner(e.completion_id).completion)
                 for e in plan.entries
                 if e.sample
             ]
@@ -248,7 +247,7 @@ class LLMEngine:
         Should the batch fail, each row is sampled alone and only the faulty requests fail."""
         with self.times.phase("sample"):
             entries = [e for e in plan.entries if e.sample]
-            rows = [self.tracker.owner(e.completion_id)[1].sample_row() for e in entries]
+            rows = [self.tracker.owner(e.completion_id).completion.sample_row() for e in entries]
         if masks is not None:
             with self.times.phase("grammar"):  # the wait for the masks, and setting them
                 masks.apply([e.completion_id for e in entries], rows)
@@ -281,10 +280,10 @@ class LLMEngine:
                 if owner is None:
                     continue  # its request failed during this step
                 try:
-                    self._add_results(e, owner[1], logits, sampled, tokens, stopped)
-                    touched[owner[0].request_id] = owner[0]
+                    self._add_results(e, owner.completion, logits, sampled, tokens, stopped)
+                    touched[owner.request.request_id] = owner.request
                 except Exception as exc:
-                    touched.pop(owner[0].request_id, None)
+                    touched.pop(owner.request.request_id, None)
                     self.tracker.fail_all([e.completion_id], exc, "its output")
             live = {c: t for c, t in tokens.items() if self.tracker.find(c) is not None}
             stopped = {c: r for c, r in stopped.items() if c in live}
@@ -298,7 +297,7 @@ class LLMEngine:
         if e.num_prompt_logit_rows:
             rows = logits[e.logits_offset : e.logits_offset + e.num_prompt_logit_rows]  # [k, V]
             positions = [e.start_pos + r for r in e.logit_rows[: e.num_prompt_logit_rows]]
-            self.tracker.owner(e.completion_id)[0].add_prompt_logprobs(
+            self.tracker.owner(e.completion_id).request.add_prompt_logprobs(
                 rows, positions, self.tokenizer
             )
         if not e.sample:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ort_lora.adapters import AdapterError, AdapterRegistry
 from ort_lora.engine.step_plan import MetadataBuffers, StepPlan, build_metadata
-from ort_lora.engine.timing import RUN, StepTimes
+from ort_lora.timing import RUN, StepTimes
 
 
 class ModelRunner:

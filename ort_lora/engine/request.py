@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -213,6 +214,13 @@ class RequestState:
         )
 
 
+class Owner(NamedTuple):
+    """Whose a completion id is: its request and its completion."""
+
+    request: RequestState
+    completion: Completion
+
+
 class RequestTracker:
     """The unfinished requests, their completions by completion id, and the finish path."""
 
@@ -220,7 +228,7 @@ class RequestTracker:
         self.scheduler = scheduler
         self.registry = registry
         self.requests: dict[str, RequestState] = {}
-        self._owners: dict[str, tuple[RequestState, Completion]] = {}  # by completion id
+        self._owners: dict[str, Owner] = {}  # by completion id
         self._failures: list[tuple[str, Exception]] = []
 
     def __bool__(self) -> bool:
@@ -232,17 +240,17 @@ class RequestTracker:
             raise RequestError(f"request id {state.request_id!r} is already in use")
         self.requests[state.request_id] = state
         for c in state.completions:
-            self._owners[c.seq.completion_id] = (state, c)
+            self._owners[c.seq.completion_id] = Owner(state, c)
             for aid in c.seq.adapter_ids:
                 self.registry.add_user(aid)
             self.scheduler.add(c.seq)
         for aid in state.completions[0].seq.adapter_ids:  # n >= 1 completions
             self.registry.count_request(aid)
 
-    def owner(self, completion_id: str) -> tuple[RequestState, Completion]:
+    def owner(self, completion_id: str) -> Owner:
         return self._owners[completion_id]
 
-    def find(self, completion_id: str) -> tuple[RequestState, Completion] | None:
+    def find(self, completion_id: str) -> Owner | None:
         """owner(), or None once the completion has finished (or its request failed)."""
         return self._owners.get(completion_id)
 
@@ -281,14 +289,20 @@ class RequestTracker:
         for cid in completion_ids:
             owner = self._owners.get(cid)
             if owner is not None:
-                self.abort(owner[0].request_id, exc)
+                self.abort(owner.request.request_id, exc)
 
     def fail_adapter(self, adapter_id: int, error: Exception) -> None:
         """End every request that runs with an adapter whose weights could not be loaded
-        (alone or composed), with `error`."""
+        (alone or composed), with `error`; its pages (resident without its weights) go."""
         for state in list(self.requests.values()):
             if any(adapter_id in c.seq.adapter_ids for c in state.completions):
                 self.abort(state.request_id, error)
+        self.drop_adapter(adapter_id)
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """Free an unloaded (or unloadable) adapter's pool pages and the KV blocks cached
+        under it: the one place an adapter leaves the pool but for eviction."""
+        self.scheduler.pool.drop_adapter(adapter_id)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """(request id, error) of the requests ended by an error since the last call: an
@@ -304,6 +318,6 @@ class RequestTracker:
         for aid in seq.adapter_ids:
             drained = self.registry.remove_user(aid)
             if drained is not None:
-                self.scheduler.pool.drop_adapter(drained)
+                self.drop_adapter(drained)
         if state.finished:  # (every status may have been set by the same on_step_done)
             self.requests.pop(state.request_id, None)

@@ -39,8 +39,8 @@ Rules of schedule() (every step, Orca-style continuous batching):
    the adapters of up to max_loras still-waiting requests that are not resident are put into
    FREE pages or idle cached KV blocks' (never evicting an adapter; the walk stops at the
    first that does not fit). They are idle, so KV growth can still take their pages back;
-   admitting their request later is a hit. The engine copies them in with this step's loads; on a GPU the copy overlaps with
-   the step.
+   admitting their request later is a hit. The engine copies them in with this step's loads;
+   on a GPU the copy overlaps with the step.
 5. Prefix caching (config.enable_prefix_caching; sequences with a cache_salt: the engine
    sets it, engine/prefix_cache.py): at admission, the longest run of the prompt's leading
    full blocks found in the pool's cache is shared (never the block of the last token: its

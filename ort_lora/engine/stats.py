@@ -7,7 +7,7 @@ from __future__ import annotations
 from ort_lora.adapters.registry import AdapterRegistry
 from ort_lora.engine.pool import PagePool
 from ort_lora.engine.scheduler import Scheduler
-from ort_lora.engine.timing import StepTimes
+from ort_lora.timing import StepTimes
 
 COUNTERS = ("loads", "evictions", "hits", "misses")
 

@@ -1,5 +1,5 @@
 """Running an exported model: the step session (session.py)."""
 
-from ort_lora.runtime.session import ModelSession, StepTiming
+from ort_lora.runtime.session import ModelSession
 
-__all__ = ["ModelSession", "StepTiming"]
+__all__ = ["ModelSession"]

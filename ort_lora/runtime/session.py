@@ -17,22 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora import contract as C
+from ort_lora.timing import RUN, StepTimes
 
 POOL_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-@dataclass
-class StepTiming:
-    """Host-side time of the last step, in seconds: binding inputs, ORT run, output fetch."""
-
-    bind_s: float = 0.0
-    run_s: float = 0.0
-    fetch_s: float = 0.0
-
-    @property
-    def overhead_s(self) -> float:
-        """Time spent outside ORT's run: binding the inputs and fetching the logits."""
-        return self.bind_s + self.fetch_s
 
 
 def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -64,7 +51,7 @@ class ModelSession:
     num_pages: int
     intra_op_num_threads: int | None = None
     device: str = "cpu"  # "cpu" (numpy pool) or "cuda" (device pool, runtime/cuda_pool.py)
-    timing: StepTiming = field(default_factory=StepTiming, init=False)
+    timing: StepTimes = field(default_factory=StepTimes, init=False)  # of the last run
 
     def __post_init__(self):
         import onnxruntime as ort
@@ -175,5 +162,5 @@ class ModelSession:
         t2 = time.perf_counter()
         logits = self.binding.copy_outputs_to_cpu()[0]
         t3 = time.perf_counter()
-        self.timing = StepTiming(bind_s=t1 - t0, run_s=t2 - t1, fetch_s=t3 - t2)
+        self.timing = StepTimes({"bind": t1 - t0, RUN: t2 - t1, "fetch": t3 - t2})
         return logits

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ort_lora.adapters.errors import CompositionError
-from ort_lora.adapters.registry import AdapterRegistry
+from ort_lora.adapters.loader import AdapterLoader
 from ort_lora.contract import ModelManifest
 from ort_lora.errors import EngineUnavailable, QueueFullError
 from ort_lora.lora_request import LoRARequest
@@ -51,7 +51,7 @@ class ReplicaClient:
         # checks run-time adapters' files (inside the adapter root; reads and converts, keeps
         # nothing); --lora-modules adapters never come here: the directory starts with them
         manifest = ModelManifest.load(config.model_dir)
-        self._checker = AdapterRegistry(manifest, 1, config.adapter_root)
+        self._checker = AdapterLoader(manifest, config.adapter_root)
         self._handle = handle
         self._directory = directory
         self._streams: dict[str, object] = {}  # request id -> its response generator

@@ -1,5 +1,7 @@
-"""StepTimes: where one engine step's time went, phase by phase (for /metrics and the benchmark's
-host share). `with times.phase("run"): ...` adds the block's wall time to that phase."""
+"""StepTimes: where one step's time went, phase by phase: the engine's (schedule, load,
+inputs, grammar, run, sample, postprocess: /metrics and the benchmark's host share) and the
+model session's own (bind, run, fetch). `with times.phase("run"): ...` adds the block's wall
+time to that phase."""
 
 from __future__ import annotations
 
@@ -11,9 +13,8 @@ RUN = "run"  # ONNX Runtime's run; every other phase is host work
 
 @dataclass
 class StepTimes:
-    """Seconds per phase of one step (schedule, load, inputs, grammar, run, sample,
-    postprocess); "grammar" is the part of structured outputs' mask work not hidden behind
-    the run."""
+    """Seconds per phase of one step; in the engine's, "grammar" is the part of structured
+    outputs' mask work not hidden behind the run."""
 
     phases: dict[str, float] = field(default_factory=dict)
     num_tokens: int = 0
@@ -28,6 +29,7 @@ class StepTimes:
 
     @property
     def host_s(self) -> float:
+        """Every phase but ONNX Runtime's run."""
         return sum(s for name, s in self.phases.items() if name != RUN)
 
 
