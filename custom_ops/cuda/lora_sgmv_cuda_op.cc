@@ -9,10 +9,6 @@ namespace ort_lora {
 
 namespace {
 
-constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-
 ONNXTensorElementDataType ToOnnx(SgmvDtype dtype) {
   return dtype == SgmvDtype::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
@@ -63,26 +59,6 @@ OrtStatusPtr LoraSgmvCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* 
 }
 
 ONNXTensorElementDataType LoraSgmvCudaOp::ElementType() const { return ToOnnx(dtype_); }
-
-ONNXTensorElementDataType LoraSgmvCudaOp::GetInputType(size_t index) const {
-  switch (index) {
-    case kSegStarts:
-    case kSegSlots:
-    case kRanks:
-    case kCompSegs:
-    case kCompSlots:
-      return kInt32;
-    case kAOffsets:
-    case kBOffsets:
-    case kDoraOffsets:
-      return kInt64;
-    case kScales:
-    case kCompWeights:
-      return kFloat;
-    default:
-      return ElementType();
-  }
-}
 
 OrtMemType LoraSgmvCudaOp::GetInputMemoryType(size_t index) const {
   return index >= kSegStarts ? OrtMemTypeCPUInput : OrtMemTypeDefault;

@@ -43,11 +43,14 @@ struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, tr
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 14; }
-  ONNXTensorElementDataType GetInputType(size_t index) const;
+  // Inputs and output as lora_sgmv_inputs.h describes them for every provider, T = dtype.
+  size_t GetInputTypeCount() const { return kNumLoraSgmvInputs; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return LoraSgmvInputType(index, ElementType());
+  }
   OrtMemType GetInputMemoryType(size_t index) const;
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index >= kCompSegs ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return LoraSgmvInputCharacteristic(index);
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType(); }

@@ -26,6 +26,33 @@ enum LoraSgmvInput : size_t {
   kNumLoraSgmvInputs
 };
 
+// The element type of each input (lora_sgmv_op.h), for every provider's op: `t` is the type of
+// y, x and the caches (float32 on CPU, float16/bfloat16 on CUDA); the metadata types are fixed.
+inline ONNXTensorElementDataType LoraSgmvInputType(size_t index, ONNXTensorElementDataType t) {
+  switch (index) {
+    case kSegStarts:
+    case kSegSlots:
+    case kRanks:
+    case kCompSegs:
+    case kCompSlots:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case kAOffsets:
+    case kBOffsets:
+    case kDoraOffsets:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case kScales:
+    case kCompWeights:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    default:
+      return t;
+  }
+}
+
+// Inputs from comp_segs on are optional (a node of 10 inputs: no composition, no DoRA).
+inline OrtCustomOpInputOutputCharacteristic LoraSgmvInputCharacteristic(size_t index) {
+  return index >= kCompSegs ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 struct LoraSgmvInputs {
   InputView y, x, key_cache, value_cache, seg_starts, seg_slots, a_offsets, b_offsets, ranks,
       scales, comp_segs, comp_slots, comp_weights, dora_offsets;

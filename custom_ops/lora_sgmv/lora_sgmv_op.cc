@@ -91,21 +91,4 @@ OrtStatusPtr LoraSgmvOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* 
   return GuardCompute("LoraSGMV", [&] { *kernel = new LoraSgmvKernel(api, info); });
 }
 
-ONNXTensorElementDataType LoraSgmvOp::GetInputType(size_t index) const {
-  switch (index) {
-    case kSegStarts:
-    case kSegSlots:
-    case kRanks:
-    case kCompSegs:
-    case kCompSlots:
-      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-    case kAOffsets:
-    case kBOffsets:
-    case kDoraOffsets:
-      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-    default:
-      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-}
-
 }  // namespace ort_lora

@@ -83,15 +83,19 @@ struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 14; }
-  ONNXTensorElementDataType GetInputType(size_t index) const;
+  // Inputs and output as lora_sgmv_inputs.h describes them for every provider, T = float32.
+  size_t GetInputTypeCount() const { return kNumLoraSgmvInputs; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return LoraSgmvInputType(index, kElementType);
+  }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index >= 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return LoraSgmvInputCharacteristic(index);
   }
   size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return kElementType; }
+
+ private:
+  static constexpr ONNXTensorElementDataType kElementType = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 };
 
 }  // namespace ort_lora

@@ -12,7 +12,7 @@
 #include <memory>
 #include <vector>
 
-#include "lora_sgmv/lora_sgmv_cpu.h"
+#include "lora_sgmv/lora_sgmv_types.h"
 
 namespace ort_lora {
 
