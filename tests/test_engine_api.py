@@ -26,7 +26,7 @@ def llm(tiny_llama_export):
     "prompt, params, param, message",
     [
         (PROMPT, SamplingParams(max_tokens=60), "max_tokens", r"you requested 67 tokens \(7 in"),
-        ([5] * 70, GREEDY, "max_tokens", "length is 64 tokens.*70 in the prompt"),
+        ([5] * 70, GREEDY, "prompt", "length is 64 tokens.*the prompt has 70 tokens"),
         ([5, 256], GREEDY, "prompt", r"ids \[256\] are outside the vocabulary \[0, 256\)"),
         ([], GREEDY, "prompt", "the prompt is empty"),
     ],

@@ -21,9 +21,11 @@ EOS = WORDS.index("</s>")
     [
         ([], 4, 0, "prompt", "the prompt is empty"),
         ([3, 100, -1], 4, 0, "prompt", r"ids \[100, -1\] are outside the vocabulary \[0, 100\)"),
-        ([1] * 40, None, 0, "max_tokens", r"length is 40 tokens.*40 in the prompt, 0 in"),
+        ([1] * 40, None, 0, "prompt", r"length is 40 tokens.*the prompt has 40 tokens"),
+        ([1] * 41, 5, 0, "prompt", r"the prompt has 41 tokens, which leaves no room"),
         ([1] * 30, 11, 0, "max_tokens", r"you requested 41 tokens \(30 in the prompt, 11 in"),
         ([1] * 20, 12, 5, "max_tokens", r"32 tokens need 8 KV pages \+ 5 adapter pages, more"),
+        ([1] * 36, 1, 5, "prompt", r"37 tokens need 10 KV pages.*; shorten the prompt"),
     ],
 )
 def test_check_request_names_the_problem(prompt, max_tokens, pages, param, message):

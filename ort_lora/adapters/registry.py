@@ -83,7 +83,12 @@ class AdapterRegistry:
 
     @property
     def base_weights(self) -> BaseWeights | None:
+        """Where DoRA adapters' base weights come from (the loader's)."""
         return self.loader.base_weights
+
+    @base_weights.setter
+    def base_weights(self, weights: BaseWeights | None) -> None:
+        self.loader.base_weights = weights
 
     @property
     def stats(self) -> dict[str, int]:

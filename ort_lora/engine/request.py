@@ -67,10 +67,16 @@ def check_request(
             "prompt",
         )
     n, limit, asked = len(prompt_ids), limits.max_model_len, params.max_tokens
-    if n >= limit or (asked is not None and n + asked > limit):
+    if n >= limit:  # the prompt alone leaves no room: its fault, whatever max_tokens says
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, the prompt has "
+            f"{n} tokens, which leaves no room for the completion. Please reduce the prompt.",
+            "prompt",
+        )
+    if asked is not None and n + asked > limit:
         raise RequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{n + (asked or 0)} tokens ({n} in the prompt, {asked or 0} in the completion). "
+            f"{n + asked} tokens ({n} in the prompt, {asked} in the completion). "
             "Please reduce the prompt or max_tokens.",
             "max_tokens",
         )
@@ -84,11 +90,14 @@ def check_request(
     max_tokens = limit - n if asked is None else asked
     kv_pages = -(-(n + max_tokens) // limits.block_size)
     if kv_pages + adapter_pages > limits.num_pages:
+        # the prompt and one token already too many: the prompt's fault, else max_tokens'
+        alone = -(-(n + 1) // limits.block_size) + adapter_pages > limits.num_pages
+        param = "prompt" if alone else "max_tokens"
         raise RequestError(
             f"prompt + max_tokens = {n + max_tokens} tokens need {kv_pages} KV pages + "
             f"{adapter_pages} adapter pages, more than the pool's {limits.num_pages} pages; "
-            "lower max_tokens or grow the pool",
-            "max_tokens",
+            f"{'shorten the prompt' if alone else 'lower max_tokens'} or grow the pool",
+            param,
         )
     return max_tokens
 

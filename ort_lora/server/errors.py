@@ -103,21 +103,28 @@ def error_response(status, message, param=None, code=None, headers=None) -> JSON
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, 80, 80
 MAX_ERRORS_SHOWN = 10
+MAX_PATH_PART = 64
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line per problem (the first few): `field.path: what is wrong (got
-    value)`."""
+    value)`. A check across fields names its field itself (a RequestError's `param`). A
+    field's value is shown (bounded) unless it is an object; the body never is (a check of
+    the whole body has it as its input). Path parts are cut at MAX_PATH_PART characters (a
+    dict key is one)."""
     lines, first_param = [], None
     errors = exc.errors()
     for err in errors[:MAX_ERRORS_SHOWN]:
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
+        loc = [str(part)[:MAX_PATH_PART] for part in err.get("loc", ()) if part != "body"]
+        named = getattr((err.get("ctx") or {}).get("error"), "param", None)
+        param = named or ".".join(loc) or None
         first_param = first_param or param
         got = ""
-        if "input" in err and err["type"] != "missing":
+        shown = loc and not isinstance(err.get("input"), dict)
+        if shown and "input" in err and err["type"] != "missing":
             got = f" (got {_SHOWN.repr(err['input'])})"
-        lines.append(f"{param or 'body'}: {err.get('msg', 'invalid')}{got}")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{param or 'body'}: {message}{got}")
     if len(errors) > MAX_ERRORS_SHOWN:
         lines.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more problems")
     return "; ".join(lines)[:2000] or "invalid request body", first_param

@@ -4,6 +4,11 @@ CompletionFormat serves /v1/completions (choice index = prompt index * n + outpu
 ChatFormat /v1/chat/completions. `stream` sends only what is new at every engine step,
 `finish_reason` with the last delta, then a usage chunk if asked for, then `[DONE]` (with
 vLLM's stream_options.continuous_usage_stats, every chunk carries the usage so far too).
+Usage counts the prompt tokens the prefix cache held as OpenAI's
+`prompt_tokens_details.cached_tokens`. Chat logprobs list the tokens of the content (the
+end-of-turn token that ended it, whose text is not shown, has no entry); completions logprobs
+list every generated token, the stop token too, as vLLM's and OpenAI's do
+(lm-evaluation-harness drops the last entry of an echo as the generated token).
 
 Completions with echo put the prompt in front of the text (and, with logprobs, its tokens'
 logprobs in front of the output's, the first null), as vLLM does; max_tokens 0 shows the
@@ -40,10 +45,12 @@ class _Format:
         return R.envelope(kind, self.request_id, self.created, self.model, choices)
 
     def usage(self, jobs, finals: list[RequestOutput | None]) -> dict:
-        generated = sum(
-            len(self.visible(c).token_ids) for f in finals if f is not None for c in f.outputs
-        )
-        return R.usage(sum(len(j.prompt_ids) for j in jobs), generated)
+        """Tokens of the prompts and of the outputs so far; the prompts' tokens the prefix
+        cache held (RequestOutput.num_cached_tokens) as OpenAI's cached_tokens."""
+        done = [f for f in finals if f is not None]
+        generated = sum(len(self.visible(c).token_ids) for f in done for c in f.outputs)
+        cached = sum(f.num_cached_tokens for f in done)
+        return R.usage(sum(len(j.prompt_ids) for j in jobs), generated, cached)
 
     def visible(self, c: CompletionOutput) -> CompletionOutput:
         """What the client sees of an output (CompletionFormat hides a max_tokens 0 token)."""
@@ -178,6 +185,19 @@ class ChatFormat(_Format):
     def __init__(self, serving, req, request_id: str, model: str, spec: OutputSpec):
         super().__init__(serving, req, request_id, model)
         self.spec = spec  # tools: how to read tool calls out of the output
+        # special tokens: the content shows no text of theirs (unless skip_special_tokens off)
+        special = serving.engine.tokenizer.all_special_ids if req.skip_special_tokens else ()
+        self.unshown = frozenset(special)
+
+    def logprob_tokens(self, c: CompletionOutput, ids: list[int], lps: list | None):
+        """`ids` and `lps` (ending where `c` ends) without the token that ended `c` when the
+        content does not show it (EOS, e.g. <|im_end|>, or a special stop token id): the
+        entries are the content's tokens, as OpenAI's are (vLLM lists that token too)."""
+        last = c.token_ids[-1] if c.token_ids else None
+        ended = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+        if ended and ids and last in self.unshown:
+            return ids[:-1], None if lps is None else lps[:-1]
+        return ids, lps
 
     def _logprobs(self, ids, lps) -> dict | None:
         if not self.req.logprobs or lps is None:
@@ -201,7 +221,7 @@ class ChatFormat(_Format):
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "logprobs": self._logprobs(*self.logprob_tokens(c, c.token_ids, c.logprobs)),
                     "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 }
@@ -224,7 +244,7 @@ class ChatFormat(_Format):
         shown = c if named else replace(c, text=streamable_text(self.spec, c.text, final))
         text, ids, lps = tracker.delta(shown)
         tracker.finished = final
-        logprobs = self._logprobs(ids, lps)
+        logprobs = self._logprobs(*self.logprob_tokens(c, ids, lps))
         delta, reason = {"content": text} if text else {}, c.finish_reason
         if named:
             delta = {"tool_calls": [self._named_call_delta(tracker, text)]} if text else {}

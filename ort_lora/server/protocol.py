@@ -11,7 +11,12 @@ offline API's entry).
 
 Fields the OpenAI API or vLLM defines that ort-lora does not implement are refused with a 400
 naming them (UNSUPPORTED); unknown fields too (they land in `model_extra`: serving.py refuses
-them unless the server runs with --allow-unknown-fields).
+them unless the server runs with --allow-unknown-fields). OpenAI's chat fields that do not
+change what is generated (store, metadata, service_tier, prompt caching, safety_identifier,
+user) are accepted, checked and without effect (`_NoEffectFields`). docs/API.md has the table.
+
+A check across fields raises RequestError (a ValueError) with the field it names: its `param`
+reaches the 400 (errors.py), which never repeats the body.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ort_lora.errors import RequestError
 from ort_lora.sampling_params import MAX_INT, MAX_SEED, SamplingParams
 from ort_lora.server.limits import (
     MAX_CONSTRAINT_CHARS,
@@ -40,6 +46,7 @@ from ort_lora.server.limits import (
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "echo"})
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit takes "١٢")
 # chat_template_kwargs the renderer sets itself (or Jinja's render takes): refused by name
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -50,6 +57,10 @@ Int = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512
+MAX_METADATA = 16
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def _constraint_chars(value) -> int:
@@ -99,7 +110,9 @@ UNSUPPORTED = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "reasoning_effort": (None,),
+    "reasoning_effort": (None, "none"),
+    "verbosity": (None, "medium"),
+    "moderation": (None,),
     "web_search_options": (None,),
     "min_tokens": (None, 0),
     "use_beam_search": (None, False),
@@ -166,12 +179,17 @@ class _Request(BaseModel):
     def _valid_unicode(cls, data):
         bad = _lone_surrogate(data, "body")
         if bad is not None:
-            raise ValueError(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode text")
+            field = re.match(r"body\.([^.\[<]+)", bad)  # the top-level field it lies in
+            raise RequestError(
+                f"{bad} holds a lone UTF-16 surrogate: not valid Unicode text",
+                field and field.group(1),
+            )
         return data
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's; no effect: chunks carry no padding field
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
 
 
@@ -183,15 +201,26 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's response_format."""
+    """OpenAI's response_format. `{"type": "json_object", "schema": {...}}` (instructor's
+    JSON_SCHEMA mode, also taken by vLLM and llama.cpp) becomes that json_schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: Annotated[dict | None, Source] = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a json_schema object")
+            raise RequestError("type json_schema needs a json_schema object", "response_format")
+        if self.schema_ is not None:
+            if self.type != "json_object":
+                raise RequestError(
+                    f"goes with type json_object, not {self.type}; with json_schema give "
+                    "json_schema.schema",
+                    "response_format.schema",
+                )
+            self.type = "json_schema"
+            self.json_schema = JsonSchemaFormat.model_validate({"schema": self.schema_})
         return self
 
 
@@ -287,6 +316,20 @@ class _SamplingFields(_Request):
         if len(stops) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI's n, stream, logprobs and echo may be null: their default."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("only allowed with stream: true", "stream_options")
+        return self
 
     def sampling_kwargs(self) -> dict:
         names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty")
@@ -392,7 +435,27 @@ class _ChatRendering(_Request):
         return value
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatRendering):
+class PromptCacheOptions(_Request):
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: str = Field("30m", max_length=16)
+
+
+class _NoEffectFields(_Request):
+    """OpenAI's chat fields that do not change what is generated: accepted, checked as
+    OpenAI documents them, and without effect here. Nothing is stored (`store`, `metadata`),
+    there is one service tier, and the prefix cache finds shared prefixes by their tokens
+    (no key, options or retention policy needed)."""
+
+    store: bool | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: str | None = Field(None, max_length=128)
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatRendering, _NoEffectFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -406,7 +469,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatRendering):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise RequestError("needs logprobs: true", "top_logprobs")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -450,7 +513,7 @@ class TokenizeRequest(_ChatRendering):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise RequestError("give exactly one of prompt and messages", "prompt")
         return self
 
 

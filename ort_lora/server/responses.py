@@ -17,11 +17,13 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -152,3 +154,32 @@ class ChoiceTracker:
     def is_news(self, out: CompletionOutput) -> bool:
         changed = len(out.text) > self.sent_chars or len(out.token_ids) > self.sent_tokens
         return changed or (out.finish_reason is not None and not self.finished)
+
+
+# tokenizer_config.json entries that name files or how they were loaded, not the tokenizer
+_LOADER_KEYS = frozenset(
+    {"vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only"}
+)
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's tokenizer_config.json entries (file paths
+    left out; special tokens as their text, as an AddedToken's `content`), `tokenizer_class`
+    and the chat template the server renders. lm-evaluation-harness reads `eos_token` (and
+    `bos_token`) from it and tokenizes through /tokenize, with no tokenizer of its own."""
+    info = {k: _token_content(v) for k, v in tokenizer.config.items() if k not in _LOADER_KEYS}
+    decoder = info.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        info["added_tokens_decoder"] = {k: _token_content(v) for k, v in decoder.items()}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    info.update(tokenizer.special_tokens)  # the special tokens' text, however they are given
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+def _token_content(value):
+    """An AddedToken dict ({"content": ..., "special": ...}) as its text; others as they are."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return value
