@@ -171,7 +171,7 @@ class RequestState:
     def create(
         cls, request_id, prompt, prompt_ids, params, lora_request, seqs, tokenizer, grammar=None
     ):
-        """The request's state; `grammar` (engine/grammar.py: Grammars.constraint) makes a
+        """The request's state; `grammar` (engine/grammar.py: Grammars.constraints_for) makes a
         grammar constraint for each completion."""
         state = cls(request_id, prompt, list(prompt_ids), params, lora_request)
         bias = None
