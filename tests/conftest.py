@@ -162,10 +162,10 @@ def demo_adapters() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_default_export, demo_adapters):
+    from ort_lora.bench.harness.servers import ServerThread
     from ort_lora.engine.async_engine import AsyncEngine
     from ort_lora.lora_request import LoRARequest
     from ort_lora.server import create_app
-    from ort_lora.server.testing import ServerThread
 
     engine = AsyncEngine.from_model_dir(
         smollm2_default_export, max_loras=len(demo_adapters), max_num_seqs=32

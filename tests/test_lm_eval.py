@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -1,6 +1,6 @@
 """`ort-lora serve --ray` on a Ray cluster started on this machine: a head on 127.0.0.1 only,
 2 CPUs, stopped at the end of the module and in any case after 10 minutes
-(ort_lora/server/ray_cluster.py), 2 replicas of the tiny random Llama export, 4 random
+(ort_lora/bench/harness/ray_cluster.py), 2 replicas of the tiny random Llama export, 4 random
 adapters. The server runs as the CLI does (a child process that is the Ray driver), and the
 tests talk to Ray Serve's HTTP proxy only.
 
@@ -22,9 +22,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip(
@@ -34,7 +34,7 @@ if importlib.util.find_spec("ray") is None:
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from ort_lora.server.ray_cluster import LocalRayCluster  # noqa: E402
+from ort_lora.bench.harness.ray_cluster import LocalRayCluster  # noqa: E402
 
 ADAPTERS = {
     "a0": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

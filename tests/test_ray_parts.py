@@ -18,18 +18,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.errors import EngineUnavailable, QueueFullError, RequestError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import CompletionOutput, Logprob, RequestOutput
 from ort_lora.sampling_params import SamplingParams
 from ort_lora.server import create_app
 from ort_lora.server.errors import APIError
-from ort_lora.server.ray_config import RayServeConfig
-from ort_lora.server.ray_directory import AdapterDirectory
-from ort_lora.server.ray_metrics import ClusterPage, cluster_totals, install_cluster_metrics
-from ort_lora.server.ray_residency import AdapterBusy, ReplicaAdapters
-from ort_lora.server.ray_stream import DecodeError, DeltaDecoder, DeltaEncoder, ReplicaError
-from ort_lora.server.testing import ServerThread
+from ort_lora.server.ray.config import RayServeConfig
+from ort_lora.server.ray.directory import AdapterDirectory
+from ort_lora.server.ray.metrics import ClusterPage, cluster_totals, install_cluster_metrics
+from ort_lora.server.ray.residency import AdapterBusy, ReplicaAdapters
+from ort_lora.server.ray.stream import DecodeError, DeltaDecoder, DeltaEncoder, ReplicaError
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
 
@@ -404,7 +404,7 @@ class FakeHandle:
 @pytest.fixture
 def make_client(tiny_llama_export):
     pytest.importorskip("ray", reason="the client's failure handling uses Ray's exceptions")
-    from ort_lora.server.ray_client import ReplicaClient
+    from ort_lora.server.ray.client import ReplicaClient
 
     def make(handle, multiplexed=True):
         config = RayServeConfig(model_dir=str(tiny_llama_export), multiplexed=multiplexed)
@@ -537,7 +537,7 @@ def make_replica(monkeypatch):
     import ray
     from ray import serve
 
-    from ort_lora.server.ray_replica import LoraReplica
+    from ort_lora.server.ray.replica import LoraReplica
 
     def multiplexed(max_num_models_per_replica):
         def wrap(load):
@@ -583,7 +583,7 @@ def test_lora_modules_outside_the_adapter_root_are_served(
     on the replica and served; a run-time adapter there is refused by the ingress's client
     and by the replica."""
     from ort_lora.adapters.errors import AdapterPathError
-    from ort_lora.server.ray_client import ReplicaClient
+    from ort_lora.server.ray.client import ReplicaClient
 
     (root := tmp_path / "root").mkdir()
     outside = str(tiny_qv_adapter)
@@ -629,7 +629,7 @@ def test_kuberay_manifest_deploys_the_application():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from ort_lora.server import ray_serve
+    from ort_lora.server.ray import serve as ray_serve
 
     path = Path(__file__).parents[1] / "deploy" / "kuberay" / "rayservice.yaml"
     manifest = yaml.safe_load(path.read_text())

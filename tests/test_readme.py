@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ort_lora.bench.harness.servers import ServeProcess
 from ort_lora.server.default_model import DEFAULT_MODEL_NAME
-from ort_lora.server.testing import ServeProcess
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).parent.parent / "README.md"

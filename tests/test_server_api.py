@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_fakes import FakeEngine, fake_token, smollm2_tokenizer_dir  # noqa: F401
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 from ort_lora.tokenizer import Tokenizer
 
 CUSTOM_TEMPLATE = "ADAPTER{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"

@@ -8,10 +8,10 @@ import argparse
 import httpx
 import pytest
 
+from ort_lora.bench.harness.servers import ServeProcess
 from ort_lora.contract import MANIFEST_NAME
 from ort_lora.server import default_model
 from ort_lora.server.cli import build_parser, engine_overrides, main, parse_lora_module
-from ort_lora.server.testing import ServeProcess
 
 
 def test_lora_modules_both_forms():
@@ -133,7 +133,7 @@ def test_start_up_says_what_it_serves_and_where(tiny_llama_export, tiny_qv_adapt
     import subprocess
     import sys
 
-    from ort_lora.server.testing import free_port
+    from ort_lora.bench.harness.servers import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "ort_lora.cli", "serve", str(tiny_llama_export), "--port"]

@@ -16,9 +16,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")

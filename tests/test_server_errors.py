@@ -10,9 +10,9 @@ import httpx
 import pytest
 from test_server_fakes import FakeEngine, smollm2_tokenizer_dir  # noqa: F401
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 from ort_lora.tokenizer import Tokenizer
 
 KEY = "sk-test-key-123"

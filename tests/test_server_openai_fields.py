@@ -18,8 +18,8 @@ import pytest
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 from test_server_fakes import FakeEngine, smollm2_tokenizer_dir  # noqa: F401
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 from ort_lora.tokenizer import Tokenizer
 
 API_MD = Path(__file__).resolve().parents[1] / "docs" / "API.md"

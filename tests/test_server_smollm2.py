@@ -83,8 +83,8 @@ def test_serve_without_model_dir_uses_default_model_and_demo_adapters(
     linked into a fresh ORT_LORA_CACHE) plus every demo adapter."""
     import httpx
 
+    from ort_lora.bench.harness.servers import ServeProcess
     from ort_lora.server.default_model import DEFAULT_MODEL_NAME
-    from ort_lora.server.testing import ServeProcess
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / DEFAULT_MODEL_NAME).symlink_to(smollm2_default_export)

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 
 PROMPT_IDS = [5, 17, 99, 3, 42, 8, 77, 120]
 WEATHER = {

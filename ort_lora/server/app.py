@@ -32,7 +32,7 @@ from ort_lora.server.auth import MetricsKey, auth_dependency
 from ort_lora.server.bodies import document_bodies, json_body
 from ort_lora.server.errors import APIError, install_error_handlers, model_not_found
 from ort_lora.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
-from ort_lora.server.metrics import ServerMetrics
+from ort_lora.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from ort_lora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +43,6 @@ from ort_lora.server.protocol import (
 )
 from ort_lora.server.serving import OpenAIServing
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # What the OpenAPI schema documents for the routes that are not plain JSON.
 _EMPTY_200 = {200: {"description": "Healthy (empty body)", "content": None}}
 _TEXT_200 = {200: {"description": "Plain text", "content": {"text/plain": {}}}}

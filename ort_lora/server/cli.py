@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ort-lora serve: {', '.join(given)} need --ray", file=sys.stderr)
         return 2
     if args.ray:
-        from ort_lora.server.ray_serve import serve_on_ray
+        from ort_lora.server.ray.serve import serve_on_ray
 
         return serve_on_ray(args, *resolve_model(args), engine_overrides(args))
     try:

@@ -137,7 +137,7 @@ class PromptBound:
     @classmethod
     def for_engine(cls, engine) -> PromptBound:
         """The bound of `engine`'s context length and tokenizer (its longest token). Every
-        engine has a tokenizer: the local one, and the Ray ingress (ray_client.py) its own."""
+        engine has a tokenizer: the local one, and the Ray ingress (ray/client.py) its own."""
         return cls(engine.max_model_len, engine.tokenizer.max_token_bytes)
 
     @property

@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile_bodies import CMPL, NORMAL, HealthPoller, hostile_bodies  # noqa: E402
 
-from ort_lora.server.testing import ServeProcess  # noqa: E402
+from ort_lora.bench.harness.servers import ServeProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "docs" / "reliability" / "health_load.json"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
-from ort_lora.server.testing import ServerThread
 
 MAX_MODEL_LEN = 64
 GREEDY = {"prompt": [5, 17, 99, 3, 42], "max_tokens": 8, "temperature": 0, "ignore_eos": True}

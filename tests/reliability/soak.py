@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests is None:
         args.requests = 10_000 if args.minutes is None else 10**9
 
-    from ort_lora.server.testing import ServeProcess
+    from ort_lora.bench.harness.servers import ServeProcess
 
     model_dir, root = build_assets(args.model, args.cache_dir)
     serve_args = [str(model_dir), "--adapter-root", str(root), "--log-level", "warning"]

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from reliability_server import TIMEOUT_S, Served
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.server import create_app
 from ort_lora.server.adapter_templates import MAX_TEMPLATE_FILE_BYTES
-from ort_lora.server.testing import ServerThread
 
 SECRET = "SECRET-LINE-" * 4
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from reliability_server import MAX_MODEL_LEN, TIMEOUT_S
 
+from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.server import create_app
 from ort_lora.server.cli import build_parser
 from ort_lora.server.limits import (
@@ -23,7 +24,6 @@ from ort_lora.server.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
 )
-from ort_lora.server.testing import ServerThread
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 LIMIT = DEFAULT_MAX_REQUEST_BYTES

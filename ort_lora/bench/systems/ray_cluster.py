@@ -1,5 +1,5 @@
 """ort-lora on a Ray cluster: `ort-lora serve --ray` with spec.options["replicas"] replicas on a
-head node started on this machine (ort_lora/server/ray_cluster.py: 127.0.0.1 only, all the
+head node started on this machine (bench/harness/ray_cluster.py: 127.0.0.1 only, all the
 machine's CPUs), requests sent at their arrival times through Ray Serve's HTTP proxy as the
 HTTP system sends them (streaming /v1/completions, greedy, ignore_eos).
 
@@ -56,7 +56,7 @@ def serve_args(spec: RunSpec, workload: Workload) -> list[str]:
 
 
 def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
-    from ort_lora.server.ray_cluster import LocalRayCluster
+    from ort_lora.bench.harness.ray_cluster import LocalRayCluster
 
     cpus = max(spec.threads, os.cpu_count() or 1)
     cluster = LocalRayCluster(num_cpus=cpus, lifetime_s=3600)

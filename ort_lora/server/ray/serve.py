@@ -22,11 +22,11 @@ import sys
 import threading
 from pathlib import Path
 
-from ort_lora.server.ray_client import ReplicaClient
-from ort_lora.server.ray_config import DIRECTORY_NAMESPACE, RayServeConfig
-from ort_lora.server.ray_directory import AdapterDirectory
-from ort_lora.server.ray_metrics import install_cluster_metrics
-from ort_lora.server.ray_replica import LoraReplica
+from ort_lora.server.ray.client import ReplicaClient
+from ort_lora.server.ray.config import DIRECTORY_NAMESPACE, RayServeConfig
+from ort_lora.server.ray.directory import AdapterDirectory
+from ort_lora.server.ray.metrics import install_cluster_metrics
+from ort_lora.server.ray.replica import LoraReplica
 
 INSTALL_HINT = (
     "ort-lora serve --ray needs Ray Serve: pip install -e '.[ray]' in the ort-lora checkout"
@@ -91,7 +91,7 @@ def build_application(config: RayServeConfig):
 
 def app_builder(args: dict):
     """The application from a Serve config file's `args` (`import_path:
-    ort_lora.server.ray_serve:app_builder`; deploy/kuberay/rayservice.yaml): RayServeConfig's
+    ort_lora.server.ray.serve:app_builder`; deploy/kuberay/rayservice.yaml): RayServeConfig's
     fields, `lora_modules` as {name: path}."""
     return build_application(config_from_builder_args(args))
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ort_lora.server.testing import ServeProcess, free_port
+from ort_lora.bench.harness.servers import ServeProcess, free_port
 
 # Ray takes the machine's routable address even for 127.0.0.1 unless it believes it runs on
 # a laptop (ray_constants.ENABLE_RAY_CLUSTER): this keeps every Ray socket on loopback.

@@ -5,7 +5,7 @@ Ray Serve's `@serve.multiplexed` keeps an LRU of at most K adapters per replica 
 one is evicted; the replica registers an adapter in its engine when it is loaded and
 unregisters it when it is evicted. Eviction is LRU by *arrival*, so Ray may evict an adapter
 that requests on this replica still stream with: it is then unregistered when the last of
-them ends, unless a new request wants it back first. The cluster registry (ray_directory.py)
+them ends, unless a new request wants it back first. The cluster registry (ray/directory.py)
 can take an adapter away too (an unload); it leaves the same way.
 
 An adapter is a LoRARequest (name, int id, path). A name unloaded and loaded again comes back

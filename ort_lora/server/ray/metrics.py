@@ -10,7 +10,7 @@
     ray_*                                       Ray's own metrics (Serve's included), read from
                                                 every node's metrics agent at scrape time
 
-The replicas' figures come from their reports to the adapter directory (ray_client.py keeps
+The replicas' figures come from their reports to the adapter directory (ray/client.py keeps
 the latest), so a scrape never waits for a replica.
 """
 
@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ort_lora.server.metrics import PREFIX, EngineStatsCollector
+from ort_lora.server.metrics import PREFIX, PROMETHEUS_CONTENT_TYPE, EngineStatsCollector
 
 logger = logging.getLogger("ort_lora.server")
 RAY_SCRAPE_TIMEOUT_S = 2.0
@@ -177,7 +177,6 @@ async def ray_node_metrics() -> list[str]:
 
 def install_cluster_metrics(app: FastAPI, client, ray_metrics=ray_node_metrics) -> None:
     """Replace the app's /metrics (one engine's) with the cluster's page."""
-    from ort_lora.server.app import PROMETHEUS_CONTENT_TYPE
 
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") != "/metrics"]
     registry = app.state.metrics.registry

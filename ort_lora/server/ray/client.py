@@ -31,8 +31,8 @@ from ort_lora.errors import EngineUnavailable, QueueFullError
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.sampling_params import SamplingParams
-from ort_lora.server.ray_config import DIRECTORY_NAMESPACE, RayServeConfig
-from ort_lora.server.ray_stream import DeltaDecoder, ReplicaError
+from ort_lora.server.ray.config import DIRECTORY_NAMESPACE, RayServeConfig
+from ort_lora.server.ray.stream import DeltaDecoder, ReplicaError
 from ort_lora.tokenizer import Tokenizer
 
 logger = logging.getLogger("ort_lora.server")
@@ -187,8 +187,8 @@ class ReplicaClient:
         return list(self._loras)
 
     def stats(self) -> dict:
-        """The replicas' engine stats added up (ray_metrics.py shows them per replica)."""
-        from ort_lora.server.ray_metrics import cluster_totals
+        """The replicas' engine stats added up (ray/metrics.py shows them per replica)."""
+        from ort_lora.server.ray.metrics import cluster_totals
 
         return cluster_totals(self.replicas)
 

@@ -2,11 +2,11 @@
 
     generate(prompt_ids, params, lora, request_id)  ->  stream of OutputDelta | ReplicaError
 
-The ingress (ray_client.py) calls it through a DeploymentHandle with
+The ingress (ray/client.py) calls it through a DeploymentHandle with
 `multiplexed_model_id=<adapter name>`, so Ray routes each adapter's requests to replicas that
 already hold it. Ray's `@serve.multiplexed` loader (`_load`) registers the adapter in this
 engine; when Ray evicts it (LRU, `max_adapters_per_replica`), it is unregistered, once the
-requests still using it here have ended (ray_residency.py keeps that bookkeeping). Base-model
+requests still using it here have ended (ray/residency.py keeps that bookkeeping). Base-model
 requests carry no model id and go to any replica. As in the single-process server,
 --adapter-root governs adapters loaded at run time only (checked again here when one is
 registered); --lora-modules adapters are registered wherever they lie.
@@ -33,10 +33,10 @@ from ort_lora.adapters.registry import resolve_adapter_dir
 from ort_lora.engine.async_engine import AsyncEngine
 from ort_lora.lora_request import LoRARequest
 from ort_lora.sampling_params import SamplingParams
-from ort_lora.server.ray_config import DIRECTORY_NAMESPACE, RayServeConfig
-from ort_lora.server.ray_directory import REPORT_EVERY_S
-from ort_lora.server.ray_residency import AdapterBusy, ReplicaAdapters
-from ort_lora.server.ray_stream import DeltaEncoder, ReplicaError
+from ort_lora.server.ray.config import DIRECTORY_NAMESPACE, RayServeConfig
+from ort_lora.server.ray.directory import REPORT_EVERY_S
+from ort_lora.server.ray.residency import AdapterBusy, ReplicaAdapters
+from ort_lora.server.ray.stream import DeltaEncoder, ReplicaError
 
 logger = logging.getLogger("ort_lora.server")
 DRAIN_WAIT_S = 10.0  # how long a registration waits for the engine to finish an unload

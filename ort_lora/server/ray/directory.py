@@ -1,5 +1,5 @@
 """AdapterDirectory: the cluster-wide adapter registry of `ort-lora serve --ray`, and the board
-where replicas post their figures. Runs as one named Ray actor per application (ray_serve.py);
+where replicas post their figures. Runs as one named Ray actor per application (ray/serve.py);
 the class itself is plain Python (no Ray), so its tests need no cluster.
 
 Adapters: name -> LoRARequest with a cluster-wide int id (ids are never reused, so a name
