@@ -3,12 +3,26 @@ failures the engine reports for one request (5xx), each with what the server nee
 
 import logging
 import uuid
+from collections.abc import Collection
 
 logger = logging.getLogger("ort_lora")
 
 
 class QueueFullError(RuntimeError):
     """The engine holds max_queued_requests unfinished requests; retry later (HTTP 503)."""
+
+
+def check_room(held: Collection[str], request_id: str, limit: int, holder: str) -> None:
+    """The one queue-full guard of an engine client (AsyncEngine, the Ray ingress): a
+    QueueFullError when `holder` already holds `limit` requests, a ValueError when the id is
+    one of them."""
+    if len(held) >= limit:
+        raise QueueFullError(
+            f"{holder} already holds {len(held)} requests (max_queued_requests={limit}); "
+            "retry later"
+        )
+    if request_id in held:
+        raise ValueError(f"request id {request_id!r} is already in use")
 
 
 class RequestError(ValueError):

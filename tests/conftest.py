@@ -13,7 +13,8 @@
   (server/default_model.py CPU_WEIGHTS).
 - `demo_adapters` / `smollm2_server`: the bundled demo adapters (name -> dir), and a live
   server over the default export with all of them ((url, engine); 32 sequences per step,
-  --tool-call-parser hermes), shared by the test session.
+  the tool-call parser its chat template implies, as `ort-lora serve`), shared by the test
+  session.
 - `rng` / `seed`: random data for one test case. `seed` is zlib.crc32 of the test's node id
   (stable from run to run, different for every parametrized case), or the value of the
   environment variable ORT_LORA_TEST_SEED when it is set; `rng` is
@@ -172,7 +173,7 @@ def smollm2_server(smollm2_default_export, demo_adapters):
     )
     for i, (name, path) in enumerate(demo_adapters.items(), start=1):
         engine.add_lora(LoRARequest(name, i, str(path)))
-    with ServerThread(create_app(engine, tool_call_parser="hermes")) as url:
+    with ServerThread(create_app(engine)) as url:
         yield url, engine
 
 

@@ -368,9 +368,25 @@ def test_auto_tool_calls_read_by_the_hermes_parser(hermes_client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_without_a_parser_names_the_flag(client):
-    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as info:
-        client.chat.completions.create(
-            model="fake-base", messages=[{"role": "user", "content": "hi"}], tools=TOOLS
-        )
-    assert info.value.body["param"] == "tool_choice"
+FOREIGN_TOOLS_TEMPLATE = (
+    "{% for t in tools or [] %}[TOOL {{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+)
+
+
+def test_auto_without_a_parser_names_the_flag(server, client):
+    """A template that shows tools in a format no parser here reads: "auto" is a 400 naming
+    the flag (the model's, which ignores tools, gets Hermes: tests/test_agents.py)."""
+    url, engine, root = server
+    make_adapter(root / "foreign", FOREIGN_TOOLS_TEMPLATE)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "foreign",
+                                                         "lora_path": "foreign"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    try:
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as info:
+            client.chat.completions.create(
+                model="foreign", messages=[{"role": "user", "content": "hi"}], tools=TOOLS
+            )
+        assert info.value.body["param"] == "tool_choice"
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "foreign"})

@@ -172,7 +172,7 @@ def test_malformed_json_400(server):
         (chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
          "tools.0.function.name"),
         (chat(tool_choice="required"), "tool_choice"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),
         (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
             "type": "function", "function": {"name": "g"}}), "tool_choice"),
         (chat(guided_json={"type": "object"}, guided_regex="a+"), "guided_regex"),

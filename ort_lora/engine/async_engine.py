@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ort_lora.config import EngineConfig
 from ort_lora.engine.llm_engine import LLMEngine
-from ort_lora.errors import EngineUnavailable, QueueFullError, internal_error
+from ort_lora.errors import EngineUnavailable, check_room, internal_error
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.sampling_params import SamplingParams
@@ -215,13 +215,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if self.error is not None:
             raise self.error
-        if len(self._streams) >= self.max_queued_requests:
-            raise QueueFullError(
-                f"the engine already holds {len(self._streams)} requests "
-                f"(max_queued_requests={self.max_queued_requests}); retry later"
-            )
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+        check_room(self._streams, rid, self.max_queued_requests, "the engine")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream
         finished = False

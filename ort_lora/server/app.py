@@ -27,12 +27,14 @@ from ort_lora import __version__
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from ort_lora.adapters.registry import resolve_adapter_dir
 from ort_lora.lora_request import LoRARequest
+from ort_lora.server import responses as R
 from ort_lora.server.adapter_templates import check_adapter_template_files
 from ort_lora.server.auth import MetricsKey, auth_dependency
 from ort_lora.server.bodies import document_bodies, json_body
 from ort_lora.server.errors import APIError, install_error_handlers, model_not_found
 from ort_lora.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from ort_lora.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from ort_lora.server.openai_responses import add_responses_routes
 from ort_lora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -151,7 +153,8 @@ def create_app(
     must resolve inside it); `api_key` protects every /v1 route, /tokenize, /detokenize and
     /metrics (that one not with `allow_unauthenticated_metrics`); requests may bring their
     own chat template only with `trust_request_chat_template`; `tool_call_parser` reads the
-    tool calls of tool_choice "auto" (server/structured.py); unknown request fields are 400s
+    tool calls of tool_choice "auto" (server/structured.py; None: the one the chat template
+    implies, server/tool_prompt.py); unknown request fields are 400s
     unless `allow_unknown_fields`; bodies over `max_request_bytes` are 413s."""
     base_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.stats)
@@ -216,6 +219,11 @@ def create_app(
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": None}  # fmt: skip
 
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's config, special tokens and chat template."""
+        return R.tokenizer_info(engine.tokenizer)
+
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: Detokenize) -> dict:
         await serving.resolve_model(body.model)
@@ -229,6 +237,8 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=auth, responses=_JSON_OR_SSE_200)
     async def chat_completions(body: Chat, raw: Request):
         return await serving.chat(body, raw)
+
+    add_responses_routes(app, serving, auth)  # /v1/responses (openai_responses.py)
 
     if adapter_root is not None:
         admin = AdapterAdmin(engine, Path(adapter_root), base_name)

@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tool-call-parser",
         choices=list(TOOL_PARSERS),
-        help='read tool calls out of outputs for tool_choice "auto" (without one: a 400)',
+        help='read tool calls out of outputs for tool_choice "auto" (default: the one the chat '
+        "template implies: hermes for a template that ignores tools or writes <tool_call>; "
+        "none for other formats, where \"auto\" is a 400)",
     )
     p.add_argument(
         "--allow-unknown-fields",

@@ -29,6 +29,7 @@ from ort_lora.server.limits import PromptBound
 from ort_lora.server.metrics import RequestTimer, ServerMetrics
 from ort_lora.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from ort_lora.server.structured import OutputSpec, output_spec
+from ort_lora.server.tool_prompt import TemplateTools, ToolPrompting
 from ort_lora.tokenizer import ChatTemplateError
 
 DISCONNECT_POLL_S = 0.25
@@ -54,8 +55,19 @@ class _Job:
             yield out
 
 
+@dataclass
+class ChatRun:
+    """A started chat generation: what chat completions and the Responses API format."""
+
+    job: _Job
+    spec: OutputSpec
+    model: str
+    request_id: str
+
+
 class OpenAIServing:
-    """Serves /v1/completions and /v1/chat/completions against one engine."""
+    """Serves /v1/completions and /v1/chat/completions against one engine (and, through
+    start_chat, the Responses API: openai_responses.py)."""
 
     def __init__(
         self,
@@ -72,7 +84,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.base_name = base_name
         self.trust_request_chat_template = trust_request_chat_template
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = tool_call_parser  # None: the one the chat template implies
+        self.tool_prompting = ToolPrompting(engine.tokenizer)
         self.allow_unknown_fields = allow_unknown_fields
         self.adapter_templates = AdapterTemplates()  # adapters' own; app.py sets its root
 
@@ -160,7 +173,7 @@ class OpenAIServing:
 
     async def _open_all(
         self, raw, prompts, params, lora, request_id, model, spec: OutputSpec | None = None,
-        lora_param: str = "model",
+        lora_param: str = "model", prompt_param: str = "prompt",
     ) -> list[_Job]:  # fmt: skip
         opens = [
             self._open(i, ids, p, lora, f"{request_id}-{i}", model)
@@ -180,6 +193,8 @@ class OpenAIServing:
                 error.message = error.message.replace("structured_outputs", spec.param, 1)
             if isinstance(error, APIError) and error.code == "invalid_composition":
                 error.param = lora_param  # the field the composition came from
+            if isinstance(error, APIError) and error.param == "prompt":
+                error.param = prompt_param  # the field the prompt came from (chat: messages)
             raise error
         return results
 
@@ -284,29 +299,51 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         """`req` passed check_fields already (bodies.py, on a worker thread)."""
+        run = await self.start_chat(req, raw, f"chatcmpl-{uuid.uuid4().hex}")
+        fmt = ChatFormat(self, req, run.request_id, run.model, run.spec)
+        if req.stream:
+            return _sse_response(fmt.stream([run.job]))
+        return JSONResponse(fmt.full(run.job, await self.finish_chat(raw, run)))
+
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request, request_id: str):
+        """Resolve the model, render the prompt, start the generation: the path chat
+        completions and the Responses API (openai_responses.py) share."""
         lora = await self.resolve_adapters(req)
-        spec = output_spec(req, self.tool_call_parser)
-        prompt = await run_in_threadpool(self.render, req, lora, spec.tools)
+        spec, prompt = await run_in_threadpool(self.prepare_chat, req, lora)
         params = [_sampling(req, req.requested_max_tokens(), spec)]
         model = self.model_label(req, lora)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         where = "adapters" if req.adapters is not None else "model"
-        jobs = await self._open_all(raw, [prompt], params, lora, request_id, model, spec, where)
-        fmt = ChatFormat(self, req, request_id, model, spec)
-        if req.stream:
-            return _sse_response(fmt.stream(jobs))
-        final = await _abort_on_disconnect(
-            raw, self._collect(jobs[0]), self._aborter(request_id, jobs)
+        jobs = await self._open_all(
+            raw, [prompt], params, lora, request_id, model, spec, where, "messages"
         )
-        return JSONResponse(fmt.full(jobs[0], final))
+        return ChatRun(jobs[0], spec, model, request_id)
 
-    def render(self, req, lora: Lora, tools: list[dict]) -> list[int]:
-        """A chat request's prompt ids (chat completions, /tokenize): its messages and tools
-        rendered by the request's template (only with --trust-request-chat-template), else
-        the adapter's or the model's (bounded in time and size, chat_template.py), then
-        encoded. Runs on a worker thread; messages longer in all than the context could hold
-        are refused first (limits.PromptBound)."""
-        self.prompt_bound.check_text(sum(map(_message_chars, req.messages)), "messages")
+    async def finish_chat(self, raw: Request, run: ChatRun) -> RequestOutput:
+        """The run's final output (aborted if the client goes away first)."""
+        aborter = self._aborter(run.request_id, [run.job])
+        return await _abort_on_disconnect(raw, self._collect(run.job), aborter)
+
+    def prepare_chat(self, req, lora: Lora) -> tuple[OutputSpec, list[int]]:
+        """The request's output spec and prompt ids (on a worker thread: probing a new
+        template's tool support renders it). The tool-call parser is --tool-call-parser's,
+        else the one the template implies (tool_prompt.py). A template that ignores tools
+        gets them written in for "auto" only, where the model must choose and write a call
+        on its own: "required" and named calls are the grammar's, and "none" asks for
+        none (the block costs context: ~150 tokens and the tools' JSON)."""
+        support = self.template_tools(req, self.template_for(req, lora))
+        parser = self.tool_call_parser or (support.parser if support else None)
+        spec = output_spec(req, parser)
+        return spec, self.render(req, lora, spec.tools, show_tools=spec.tool_mode == "auto")
+
+    def template_tools(self, req, template: str | None) -> TemplateTools | None:
+        """What `template` does with tools (tool_prompt.py) if the request has any: tools,
+        earlier calls or their results; else None, and no template is probed for it."""
+        used = req.tools or any(m.role == "tool" or m.tool_calls for m in req.messages)
+        return self.tool_prompting.for_template(template) if used else None
+
+    def template_for(self, req, lora: Lora) -> str | None:
+        """The request's template (only with --trust-request-chat-template), else the
+        adapter's, else None (the model's)."""
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise bad_request(
                 "chat_template in a request is refused: this server renders only the model's "
@@ -314,9 +351,23 @@ class OpenAIServing:
                 "to allow it)",
                 "chat_template",
             )
-        template = req.chat_template or self.chat_template_for(lora)
+        return req.chat_template or self.chat_template_for(lora)
+
+    def render(self, req, lora: Lora, tools: list[dict], show_tools: bool = True) -> list[int]:
+        """A chat request's prompt ids (chat completions, /tokenize): its messages and tools
+        rendered by the request's template (only with --trust-request-chat-template), else
+        the adapter's or the model's (bounded in time and size, chat_template.py), then
+        encoded. A template that ignores tools gets them (with `show_tools`), the earlier
+        calls and their results written into the messages (tool_prompt.py). Runs on a
+        worker thread; messages longer in all than the context could hold are refused first
+        (limits.PromptBound)."""
+        self.prompt_bound.check_text(sum(map(_message_chars, req.messages)), "messages")
+        template = self.template_for(req, lora)
         tok = self.engine.tokenizer
+        support = self.template_tools(req, template)
         messages = [m.as_template_dict() for m in req.messages]
+        if support is not None:
+            messages = support.messages(messages, tools, show_tools)
         kwargs = (req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
         try:
             text = tok.apply_chat_template(messages, req.add_generation_prompt, template, **kwargs)

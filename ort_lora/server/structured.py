@@ -7,10 +7,12 @@ field it came from is named in errors). Tools (chat only), as vLLM does them:
                     tools each (the grammar enforces it), read back as tool_calls (the
                     complete ones, should max_tokens cut the array short)
   a named function  the output is that function's arguments (its parameters schema)
-  "auto"            free text; a tool-call parser (--tool-call-parser) reads the calls the
-                    model chose to write; without one, a 400 naming the flag
+  "auto"            free text; a tool-call parser reads the calls the model chose to write:
+                    --tool-call-parser, else the one the chat template implies
+                    (tool_prompt.py); with none, a 400 naming the flag
   "none"            tools are rendered by the chat template; nothing is parsed
-The model's own chat template decides how tools are shown to it.
+The model's own chat template decides how tools are shown to it; one that ignores them gets
+them written into the system prompt (tool_prompt.py).
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def _tool_spec(req, tool_parser: str | None) -> OutputSpec:
     if choice == "auto":
         if tool_parser is None:
             raise bad_request(
-                'tool_choice "auto" needs a tool-call parser: start the server with '
-                "--tool-call-parser (one of: " + ", ".join(TOOL_PARSERS) + ")",
+                'tool_choice "auto" needs a tool-call parser, and this chat template shows '
+                "tools in a format none here reads: start the server with --tool-call-parser "
+                "(one of: " + ", ".join(TOOL_PARSERS) + ") if the model writes its calls so",
                 "tool_choice",
             )
         return OutputSpec(tool_mode="auto", tools=rendered)

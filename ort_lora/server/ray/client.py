@@ -27,7 +27,7 @@ from pathlib import Path
 from ort_lora.adapters.errors import CompositionError
 from ort_lora.adapters.loader import AdapterLoader
 from ort_lora.contract import ModelManifest
-from ort_lora.errors import EngineUnavailable, QueueFullError
+from ort_lora.errors import EngineUnavailable, check_room
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.sampling_params import SamplingParams
@@ -118,13 +118,7 @@ class ReplicaClient:
         """As AsyncEngine.generate, served by a replica; leaving early cancels it there."""
         rid = request_id or uuid.uuid4().hex
         lora_request = _one_adapter(lora_request)
-        if len(self._streams) >= self.max_queued_requests:
-            raise QueueFullError(
-                f"the ingress already holds {len(self._streams)} requests "
-                f"(max_queued_requests={self.max_queued_requests}); retry later"
-            )
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+        check_room(self._streams, rid, self.max_queued_requests, "the ingress")
         decoder, started, finished = DeltaDecoder(), False, False
         try:
             for attempt in range(RETRIES + 1):
