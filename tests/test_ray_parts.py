@@ -27,7 +27,7 @@ from ort_lora.server import create_app
 from ort_lora.server.errors import APIError
 from ort_lora.server.ray.config import RayServeConfig
 from ort_lora.server.ray.directory import AdapterDirectory
-from ort_lora.server.ray.metrics import ClusterPage, cluster_totals, install_cluster_metrics
+from ort_lora.server.ray.metrics import ClusterPage, cluster_page, cluster_totals
 from ort_lora.server.ray.residency import AdapterBusy, ReplicaAdapters
 from ort_lora.server.ray.stream import DecodeError, DeltaDecoder, DeltaEncoder, ReplicaError
 
@@ -266,12 +266,11 @@ def test_cluster_metrics_page():
     """Engine families once per replica (never unlabelled), the affinity figures, the
     ingress's own request metrics, and Ray's pages of two nodes merged into one family."""
     client = FakeCluster(REPLICAS)
-    app = create_app(client)
 
     async def ray_pages():
         return [RAY_PAGE.format("n1"), RAY_PAGE.format("n2")]
 
-    install_cluster_metrics(app, client, ray_metrics=ray_pages)
+    app = create_app(client, metrics_page=cluster_page(client, ray_metrics=ray_pages))
     with ServerThread(app) as url:
         text = httpx.get(url + "/metrics").text
     got = samples(text)
@@ -310,12 +309,11 @@ def test_cluster_metrics_page_without_replicas():
 def test_cluster_metrics_page_needs_the_api_key():
     """The cluster's /metrics replaces the engine's route, and stays behind the key."""
     client = FakeCluster(REPLICAS)
-    app = create_app(client, api_key="sk-ray")
 
     async def no_pages():
         return []
 
-    install_cluster_metrics(app, client, ray_metrics=no_pages)
+    app = create_app(client, api_key="sk-ray", metrics_page=cluster_page(client, no_pages))
     with ServerThread(app) as url:
         anonymous = httpx.get(url + "/metrics")
         keyed = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ray"})

@@ -76,7 +76,8 @@ class FakeEngine:
     async def stop(self):
         self.stopped = True
 
-    def add_lora(self, lora):
+    def add_lora(self, lora_request):
+        lora = lora_request
         if lora.lora_name in self.loras:
             raise ValueError(f"adapter {lora.lora_name!r} already exists")
         if not (Path(lora.lora_path) / "adapter_config.json").is_file():
@@ -84,10 +85,10 @@ class FakeEngine:
         self.loras[lora.lora_name] = lora
         self.counters["loads"] += 1
 
-    def remove_lora(self, name):
-        if name not in self.loras:
-            raise AdapterNotFoundError(f"adapter not found: {name}")
-        del self.loras[name]
+    def remove_lora(self, lora_name):
+        if lora_name not in self.loras:
+            raise AdapterNotFoundError(f"adapter not found: {lora_name}")
+        del self.loras[lora_name]
 
     def list_loras(self):
         return list(self.loras.values())

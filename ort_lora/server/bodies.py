@@ -122,11 +122,19 @@ def check_list_limits(model: type[BaseModel], data: dict) -> None:
             )
 
 
+def every_route(routes):
+    """Every route, those of included routers too (FastAPI may keep an included router as one
+    entry holding its routes)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        yield from every_route(inner.routes) if inner is not None else (route,)
+
+
 def document_bodies(app: FastAPI, schema: dict) -> None:
     """Add the request body (and its 400 and 413 answers) of every `json_body` route to the
     OpenAPI `schema`, with the models' schemas as components."""
     bodies = {}
-    for route in app.routes:
+    for route in every_route(app.routes):
         if isinstance(route, APIRoute):
             for dep in route.dependant.dependencies:
                 model = getattr(dep.call, "body_model", None)

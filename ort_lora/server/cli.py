@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(TOOL_PARSERS),
         help='read tool calls out of outputs for tool_choice "auto" (default: the one the chat '
         "template implies: hermes for a template that ignores tools or writes <tool_call>; "
-        "none for other formats, where \"auto\" is a 400)",
+        'none for other formats, where "auto" is a 400)',
     )
     p.add_argument(
         "--allow-unknown-fields",

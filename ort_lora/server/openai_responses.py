@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -64,18 +64,21 @@ def not_stored(response_id: str) -> APIError:
     )
 
 
-def add_responses_routes(app: FastAPI, serving, auth: list) -> None:
+def responses_router(serving, auth: list) -> APIRouter:
     """POST /v1/responses, and GET / DELETE /v1/responses/{id} (404: nothing is stored)."""
+    router = APIRouter(dependencies=auth)
 
-    @app.post("/v1/responses", dependencies=auth, responses=_JSON_OR_EVENTS_200)
+    @router.post("/v1/responses", responses=_JSON_OR_EVENTS_200)
     async def responses(body: ResponsesBody, raw: Request):
         """OpenAI's Responses API, stateless (docs/API.md#responses-api)."""
         return await create_response(serving, body, raw)
 
-    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:
         raise not_stored(response_id)
 
-    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         raise not_stored(response_id)
+
+    return router

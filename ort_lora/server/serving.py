@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from ort_lora.lora_request import LoRARequest
 from ort_lora.outputs import RequestOutput
 from ort_lora.server.adapter_templates import AdapterTemplates
+from ort_lora.server.engine_client import EngineClient
 from ort_lora.server.errors import APIError, api_error, bad_request, model_not_found
 from ort_lora.server.formats import ChatFormat, CompletionFormat
 from ort_lora.server.limits import PromptBound
@@ -71,7 +72,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         base_name: str,
         trust_request_chat_template: bool = False,

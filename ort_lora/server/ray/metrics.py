@@ -19,14 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import FastAPI
-from fastapi.responses import Response
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ort_lora.server.metrics import PREFIX, PROMETHEUS_CONTENT_TYPE, EngineStatsCollector
+from ort_lora.server.metrics import PREFIX, EngineStatsCollector, ServerMetrics
 
 logger = logging.getLogger("ort_lora.server")
 RAY_SCRAPE_TIMEOUT_S = 2.0
@@ -175,19 +173,18 @@ async def ray_node_metrics() -> list[str]:
     return texts
 
 
-def install_cluster_metrics(app: FastAPI, client, ray_metrics=ray_node_metrics) -> None:
-    """Replace the app's /metrics (one engine's) with the cluster's page."""
+def cluster_page(client, ray_metrics=ray_node_metrics):
+    """The Ray ingress's /metrics page (create_app's metrics_page): the ingress's own figures,
+    every replica's engine figures, the cluster's adapter affinity and Ray's node metrics
+    (best effort: without them when unreachable)."""
 
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") != "/metrics"]
-    registry = app.state.metrics.registry
-
-    @app.get("/metrics", response_class=Response)
-    async def cluster_metrics() -> Response:
+    async def page(metrics: ServerMetrics) -> bytes:
         try:
             texts = await ray_metrics()
         except Exception as exc:  # Ray's part is best effort; ort-lora's is always shown
             logger.warning("Ray metrics not read: %s", exc)
             texts = []
-        page = ClusterPage(registry, client.replicas, texts)
-        body = await asyncio.to_thread(generate_latest, page)
-        return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
+        view = ClusterPage(metrics.registry, client.replicas, texts)
+        return await asyncio.to_thread(generate_latest, view)
+
+    return page

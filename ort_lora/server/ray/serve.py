@@ -25,7 +25,7 @@ from pathlib import Path
 from ort_lora.server.ray.client import ReplicaClient
 from ort_lora.server.ray.config import DIRECTORY_NAMESPACE, RayServeConfig
 from ort_lora.server.ray.directory import AdapterDirectory
-from ort_lora.server.ray.metrics import install_cluster_metrics
+from ort_lora.server.ray.metrics import cluster_page
 from ort_lora.server.ray.replica import LoraReplica
 
 INSTALL_HINT = (
@@ -45,9 +45,13 @@ class LoraIngress:
         client = await ReplicaClient.connect(self.replica, self.config)
         c = self.config
         root, model = c.adapter_root, c.model_dir
-        app = create_app(client, adapter_root=root, model_root=model, **c.app_options)
-        install_cluster_metrics(app, client)
-        return app
+        return create_app(
+            client,
+            adapter_root=root,
+            model_root=model,
+            metrics_page=cluster_page(client),
+            **c.app_options,
+        )
 
 
 def start_directory(config: RayServeConfig):
