@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ort_lora.errors import RequestError
 
@@ -19,7 +19,9 @@ class StructuredOutputs:
     json (a JSON schema, dict or string), regex, choice (one of these strings), grammar (a
     Lark grammar, llguidance's dialect; GBNF is converted) or json_object (any JSON object).
     strict=False compiles a JSON schema leniently (unsupported keywords ignored, as the
-    OpenAI API's strict: false allows); strict=True refuses what cannot be enforced."""
+    OpenAI API's strict: false allows); strict=True refuses what cannot be enforced.
+    source: the request field it came from (response_format, guided_json, tool_choice, ...),
+    which its errors name; not part of what it constrains."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -27,6 +29,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     strict: bool = True
+    source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

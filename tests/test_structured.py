@@ -160,3 +160,35 @@ def test_listed_properties_close_an_object(llm, seed):
     outs = llm.generate(prompts, [params(spec, seed + i, logit_bias=bias) for i in range(8)])
     finished = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
     assert any(len(json.loads(t)) > 1 for t in finished), finished
+
+
+def test_a_served_request_compiles_its_grammar_once(tiny_llama_export, monkeypatch):
+    """AsyncEngine compiles on a worker thread and hands the grammar to the engine, whose
+    thread compiles nothing; a compile error names the request field it came from."""
+    import asyncio
+
+    from ort_lora.engine.async_engine import AsyncEngine
+    from ort_lora.engine.grammar import Grammars
+
+    calls = []
+    compile_ = Grammars.compile
+    monkeypatch.setattr(Grammars, "compile", lambda self, spec: calls.append(spec) or
+                        compile_(self, spec))  # fmt: skip
+    spec = StructuredOutputs(json=SCHEMA, source="response_format")
+    bad = StructuredOutputs(regex="(", source="guided_regex")
+
+    async def run():
+        engine = AsyncEngine.from_model_dir(tiny_llama_export, num_pages=64)
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=4, structured_outputs=spec)
+            outs = [o async for o in engine.generate([5, 6, 7], params)]
+            with pytest.raises(RequestError, match="guided_regex") as info:
+                params = SamplingParams(max_tokens=4, structured_outputs=bad)
+                [o async for o in engine.generate([5, 6, 7], params)]
+            return outs, info.value.param
+        finally:
+            await engine.stop()
+
+    outs, param = asyncio.run(run())
+    assert outs[-1].finished and calls == [spec, bad] and param == "guided_regex"

@@ -20,6 +20,7 @@ with EngineUnavailable (503) saying why, later calls (and /health) get it at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -220,11 +221,12 @@ class AsyncEngine:
         self._streams[rid] = stream
         finished = False
         try:
+            grammar = None
             if params.structured_outputs is not None:  # compiled here, not on the engine's thread
-                grammars = self.engine.grammars
-                await asyncio.to_thread(grammars.compile, params.structured_outputs)
-            add = self.engine.add_request
-            await self._call(lambda: add(rid, prompt, params, lora_request, register=False))
+                compile_ = self.engine.grammars.compile
+                grammar = await asyncio.to_thread(compile_, params.structured_outputs)
+            add = functools.partial(self.engine.add_request, register=False, grammar=grammar)
+            await self._call(lambda: add(rid, prompt, params, lora_request))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):

@@ -89,19 +89,23 @@ class Grammars:
                 self._executor = _llg().LLExecutor()
         return self._tokenizer
 
-    def constraints_for(self, spec: StructuredOutputs | None) -> Callable[[], Constraint] | None:
+    def constraints_for(
+        self, spec: StructuredOutputs | None, compiled=None
+    ) -> Callable[[], Constraint] | None:
         """A maker of constraints for a request's structured output (compiled and checked
-        now: RequestError if it cannot be enforced), None without one."""
+        now: RequestError if it cannot be enforced), None without one. compiled: what
+        compile(spec) returned (a server compiles on a worker thread first, AsyncEngine: the
+        engine's thread then compiles nothing)."""
         if spec is None:
             return None
-        prototype = self.compile(spec)
+        prototype = compiled if compiled is not None else self.compile(spec)
         return lambda: Constraint(prototype.deep_copy())
 
-    def compile(self, spec: StructuredOutputs, param: str = "structured_outputs"):
+    def compile(self, spec: StructuredOutputs):
         """A fresh matcher of `spec`'s grammar, which constraints copy (compiled once per
-        spec, cached); RequestError naming `param` if the schema, regex or grammar is invalid
-        or cannot be enforced. A server compiles on a worker thread first (AsyncEngine), so
-        the engine's thread only finds it in the cache."""
+        spec, cached); RequestError naming the request field it came from (spec.source) if
+        the schema, regex or grammar is invalid or cannot be enforced."""
+        param = spec.source
         key = json.dumps([spec.json, spec.regex, spec.choice, spec.grammar, spec.json_object,
                           spec.strict], sort_keys=True, default=str)  # fmt: skip
         with self._lock:

@@ -120,12 +120,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         lora_request: LoRARequest | SeqOf[LoRARequest] | None = None,
         register: bool = True,
+        grammar=None,
     ) -> RequestState:
         """Queue a request; RequestError / AdapterError (ValueError) when it cannot be served.
         lora_request: one adapter, or a list of them: a composition (each LoRARequest's
         weight; CompositionError naming what is wrong with it). register: an adapter not
         registered yet is registered now (the offline API); False: it must be registered (a
-        server's adapters: unloading one is final)."""
+        server's adapters: unloading one is final). grammar: the structured output compiled
+        beforehand (Grammars.compile, off this thread), else compiled here."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
@@ -140,9 +142,9 @@ class LLMEngine:
                      composition, salt)
             for i, lp in enumerate([prompt_lp] + [False] * (params.n - 1))
         ]  # fmt: skip
-        grammar = self.grammars.constraints_for(params.structured_outputs)
+        constraints = self.grammars.constraints_for(params.structured_outputs, grammar)
         state = RequestState.create(
-            request_id, text, ids, params, lora, seqs, self.tokenizer, grammar
+            request_id, text, ids, params, lora, seqs, self.tokenizer, constraints
         )
         self.tracker.add(state)
         return state

@@ -173,8 +173,8 @@ class OpenAIServing:
         return _Job(index, request_id, prompt_ids, first, agen, timer)
 
     async def _open_all(
-        self, raw, prompts, params, lora, request_id, model, spec: OutputSpec | None = None,
-        lora_param: str = "model", prompt_param: str = "prompt",
+        self, raw, prompts, params, lora, request_id, model, lora_param: str = "model",
+        prompt_param: str = "prompt",
     ) -> list[_Job]:  # fmt: skip
         opens = [
             self._open(i, ids, p, lora, f"{request_id}-{i}", model)
@@ -189,9 +189,6 @@ class OpenAIServing:
                 if not isinstance(job, BaseException):
                     await _close(self.engine, job)
             error = errors[0]
-            if isinstance(error, APIError) and error.param == "structured_outputs" and spec:
-                error.param = spec.param  # the field the constraint came from
-                error.message = error.message.replace("structured_outputs", spec.param, 1)
             if isinstance(error, APIError) and error.code == "invalid_composition":
                 error.param = lora_param  # the field the composition came from
             if isinstance(error, APIError) and error.param == "prompt":
@@ -244,7 +241,7 @@ class OpenAIServing:
         model = self.model_label(req, lora)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         where = "adapters" if req.adapters is not None else "model"
-        jobs = await self._open_all(raw, prompts, params, lora, request_id, model, spec, where)
+        jobs = await self._open_all(raw, prompts, params, lora, request_id, model, where)
         texts = [p if isinstance(p, str) else None for p in req.prompts()]
         tok = self.engine.tokenizer
         shown = [(t if t is not None else tok.decode(ids), ids) for t, ids in zip(texts, prompts)]
@@ -315,7 +312,7 @@ class OpenAIServing:
         model = self.model_label(req, lora)
         where = "adapters" if req.adapters is not None else "model"
         jobs = await self._open_all(
-            raw, [prompt], params, lora, request_id, model, spec, where, "messages"
+            raw, [prompt], params, lora, request_id, model, where, "messages"
         )
         return ChatRun(jobs[0], spec, model, request_id)
 

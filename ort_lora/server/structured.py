@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ort_lora.sampling_params import StructuredOutputs
 from ort_lora.server.errors import bad_request
@@ -50,7 +50,8 @@ def output_spec(req, tool_parser: str | None = None) -> OutputSpec:
         names = [name for name, _ in sources]
         raise bad_request(f"at most one output constraint per request, got {names}", names[1])
     if sources:
-        spec.param, spec.structured = sources[0]
+        spec.param, structured = sources[0]
+        spec.structured = replace(structured, source=spec.param)  # its errors name the field
     return spec
 
 
