@@ -162,7 +162,8 @@ def pool(args) -> dict:
     from test_cuda_pool import manifest, random_adapter
 
     from ort_lora.adapters.layout import write_to_pool
-    from ort_lora.runtime.cuda_pool import CudaPool, CudaRuntime, pool_bytes
+    from ort_lora.runtime.cuda_layout import pool_bytes
+    from ort_lora.runtime.cuda_pool import CudaPool, CudaRuntime
 
     rt, m, num_pages = CudaRuntime(), manifest(block=16), 40
     p = CudaPool(m, num_pages, rt)

@@ -44,7 +44,7 @@ def check_end_to_end(work: Path, models_out: dict) -> dict:
 
 def read_pool(rt, cuda_pool) -> np.ndarray:
     """The whole device pool, copied to the host (uint16 storage, flat)."""
-    from ort_lora.runtime.cuda_pool import pool_bytes
+    from ort_lora.runtime.cuda_layout import pool_bytes
 
     nbytes = pool_bytes(cuda_pool.manifest, cuda_pool.num_pages)
     host = np.empty(nbytes // 2, np.float16)

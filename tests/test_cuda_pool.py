@@ -18,17 +18,9 @@ from ort_lora.adapters.host import HostAdapter, ModuleWeights
 from ort_lora.adapters.layout import packing, write_to_pool
 from ort_lora.bfloat16 import float32_to_bfloat16_bits
 from ort_lora.contract import ModelManifest, key_cache_name, value_cache_name
-from ort_lora.runtime.cuda_pool import (
-    CudaError,
-    CudaPool,
-    Load,
-    PrefetchTracker,
-    Staging,
-    page_runs,
-    pool_bind_plan,
-    pool_bytes,
-    upload_copies,
-)
+from ort_lora.runtime.cuda_layout import page_runs, pool_bind_plan, pool_bytes, upload_copies
+from ort_lora.runtime.cuda_pool import CudaError, CudaPool
+from ort_lora.runtime.prefetch import Load, PrefetchTracker, Staging
 
 
 def manifest(dtype="float16", layers=3, block=4, kv_heads=2, head_dim=8) -> ModelManifest:

@@ -235,7 +235,7 @@ def test_no_step_touches_a_page_a_copy_lands_in(tiny_llama_export, adapter_dirs)
     step writes KV into, or reads an adapter from, a page whose copy has not landed. A tight
     pool with prefetch makes evictions hand adapter pages to KV; outputs equal running alone."""
     from ort_lora import contract as C
-    from ort_lora.runtime.cuda_pool import Load, PrefetchTracker
+    from ort_lora.runtime.prefetch import Load, PrefetchTracker
 
     rng = np.random.default_rng(5)
     names = [*ADAPTERS, None]

@@ -23,7 +23,7 @@ from ort_lora.engine import (
     build_metadata,
 )
 from ort_lora.engine.invariants import assert_invariants
-from ort_lora.runtime.cuda_pool import Load, PrefetchTracker
+from ort_lora.runtime.prefetch import Load, PrefetchTracker
 
 VOCAB, EOS = 97, 0
 

@@ -1,5 +1,10 @@
 """The decoder-only graph shared by every architecture family (see contract.py for I/O).
 
+One file though past ~400 lines, on purpose: DecoderBuilder is one graph, drawn below, whose
+building blocks, hooks and layers call each other, and which every family (families.py)
+subclasses to override a hook. Split, a reader would follow one layer's nodes, and a family
+the method it overrides, across files.
+
     input_ids ─ Gather(embed) [─ Mul] ─┬──────────────── residual ───────────────┐
         └ RMSNorm ─ q/k/v MatMul ─ LoraSGMV [─ +bias] [─ q/k RMSNorm] ─ PagedAttention
         ─ o MatMul ─ LoraSGMV [─ attention_output] ─ SkipRMSNorm(+residual) ─ gate/up MatMul

@@ -12,185 +12,27 @@ runs, its compute stream (ours, given to the CUDA EP as `user_compute_stream`) i
 step, so copies overlap with whatever the GPU is still doing and no kernel reads or writes a
 page before a copy into it lands (see PrefetchTracker.events_for_step for why that suffices).
 
-`PrefetchTracker` is the pure bookkeeping (in-flight loads, their events, staging reuse) and
-`pool_bind_plan` / `upload_copies` are pure arithmetic: all three are unit-tested on CPU.
-`CudaRuntime` is the thin ctypes layer over the op library's ort_lora_cuda_* functions.
+`PrefetchTracker` (prefetch.py) is the pure bookkeeping (in-flight loads, their events,
+staging reuse) and `pool_bind_plan` / `upload_copies` (cuda_layout.py) are pure arithmetic:
+all three are unit-tested on CPU. Here: `CudaRuntime`, the thin ctypes layer over the op
+library's ort_lora_cuda_* functions; `CudaPool`, which drives them; and the ONNX Runtime glue
+that runs a session on the pool's stream (`cuda_session`, `bind_cuda_pool`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import numpy as np
 
 from ort_lora import contract as C
 from ort_lora.bfloat16 import float32_to_bfloat16_bits
+from ort_lora.runtime.cuda_layout import Copy2D, pool_bind_plan, pool_bytes, upload_copies
+from ort_lora.runtime.prefetch import Load, PrefetchTracker, Staging
 
-ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 H2D = 1  # cudaMemcpyHostToDevice
 NOT_READY = 600  # cudaErrorNotReady
-
-
-# ---- pure arithmetic --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PoolBinding:
-    """One graph input bound to a slice of the device pool."""
-
-    name: str  # key_cache.{l} or value_cache.{l}
-    shape: tuple[int, int, int, int]  # [num_pages, block_size, kv_heads, head_dim]
-    ptr: int  # device address of its first element
-
-
-def pool_bytes(manifest: C.ModelManifest, num_pages: int) -> int:
-    """Bytes of the whole device pool."""
-    return 2 * manifest.num_layers * num_pages * manifest.page_elems * _elem_bytes(manifest)
-
-
-def pool_bind_plan(manifest: C.ModelManifest, num_pages: int, base_ptr: int) -> list[PoolBinding]:
-    """Where each key_cache.{l} / value_cache.{l} lives inside the allocation at base_ptr."""
-    m = manifest
-    half_bytes = num_pages * m.page_elems * _elem_bytes(m)
-    shape = (num_pages, m.block_size, m.num_kv_heads, m.head_dim)
-    out = []
-    for layer in range(m.num_layers):
-        for half, name in ((0, C.key_cache_name(layer)), (1, C.value_cache_name(layer))):
-            out.append(PoolBinding(name, shape, base_ptr + (2 * layer + half) * half_bytes))
-    return out
-
-
-@dataclass(frozen=True)
-class Copy2D:
-    """One cudaMemcpy2DAsync: `height` rows (layers) of `width` bytes."""
-
-    dst_offset: int  # bytes from the pool base
-    dst_pitch: int
-    src_offset: int  # bytes from the staging base
-    src_pitch: int
-    width: int
-    height: int
-
-
-def page_runs(pages: Iterable[int]) -> list[tuple[int, int, int]]:
-    """(index in pages, first page, count) for each run of consecutive page numbers."""
-    pages = [int(p) for p in pages]
-    runs: list[tuple[int, int, int]] = []
-    for i, p in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, p, 1))
-    return runs
-
-
-def upload_copies(manifest: C.ModelManifest, num_pages: int, pages: list[int]) -> list[Copy2D]:
-    """The copies that move a staging pool of len(pages) pages into `pages` of the device pool.
-
-    Staging page i (both halves, every layer) goes to pool page pages[i]; a run of consecutive
-    pages in one half is one 2D copy over all layers.
-    """
-    page_bytes = manifest.page_elems * _elem_bytes(manifest)
-    n = len(pages)
-    copies = []
-    for half in (0, 1):
-        for index, first, count in page_runs(pages):
-            copies.append(
-                Copy2D(
-                    dst_offset=(half * num_pages + first) * page_bytes,
-                    dst_pitch=2 * num_pages * page_bytes,
-                    src_offset=(half * n + index) * page_bytes,
-                    src_pitch=2 * n * page_bytes,
-                    width=count * page_bytes,
-                    height=manifest.num_layers,
-                )
-            )
-    return copies
-
-
-def _elem_bytes(manifest: C.ModelManifest) -> int:
-    if manifest.dtype not in ELEM_BYTES:
-        raise ValueError(
-            f"a CUDA pool holds float16 or bfloat16; the model's dtype is {manifest.dtype}"
-        )
-    return ELEM_BYTES[manifest.dtype]
-
-
-# ---- pure bookkeeping -------------------------------------------------------------------------
-
-
-@dataclass
-class Staging:
-    """A pinned host buffer (address, capacity in bytes) reused across loads."""
-
-    ptr: int
-    capacity: int
-
-
-@dataclass
-class Load:
-    """An adapter upload in flight: its event fires when the copy has landed."""
-
-    adapter_id: object  # int id or name, as the scheduler names it
-    pages: tuple[int, ...]
-    event: object
-    staging: Staging
-    prefetch: bool = False  # for a waiting request: the step it was issued with does not use it
-    step: int = 0  # the step it was issued with (PrefetchTracker.step when it began)
-
-
-@dataclass
-class PrefetchTracker:
-    """Which uploads are in flight, which events a step waits for, which staging is free.
-
-    No CUDA here: events and staging buffers are opaque; `retire` asks a callback whether an
-    event has fired. A staging buffer returns to the free list only when its copy has landed,
-    so a new load never overwrites host memory a copy is still reading.
-    """
-
-    inflight: list[Load] = field(default_factory=list)
-    free: list[Staging] = field(default_factory=list)
-    step: int = 0  # steps begun so far (events_for_step calls)
-
-    def acquire(self, nbytes: int) -> Staging | None:
-        """The smallest free buffer of at least nbytes (taken off the free list), or None."""
-        fits = [s for s in self.free if s.capacity >= nbytes]
-        if not fits:
-            return None
-        best = min(fits, key=lambda s: s.capacity)
-        self.free.remove(best)
-        return best
-
-    def begin(self, load: Load) -> None:
-        """Record a load whose copies and event have been enqueued (for the next step)."""
-        load.step = self.step
-        self.inflight.append(load)
-
-    def events_for_step(self) -> list[object]:
-        """Events the step about to run waits for, then that step counts as begun.
-
-        Every load in flight except the prefetches issued for this step. Those went into
-        pages that were free when the step was scheduled (after its KV blocks and adapters
-        were placed), so the step neither reads nor writes them. Any other load may share a
-        page with the step: one of its adapters, or pages an eviction gave to KV or to
-        another adapter since. Waiting on an event that already fired costs nothing.
-        """
-        events = [ld.event for ld in self.inflight if not (ld.prefetch and ld.step == self.step)]
-        self.step += 1
-        return events
-
-    def retire(self, is_done: Callable[[object], bool]) -> list[Load]:
-        """Drop the loads whose events fired; their staging buffers become free."""
-        done = [ld for ld in self.inflight if is_done(ld.event)]
-        for ld in done:
-            self.inflight.remove(ld)
-            self.free.append(ld.staging)
-        return done
-
-    def is_loading(self, adapter_id) -> bool:
-        return any(ld.adapter_id == adapter_id for ld in self.inflight)
 
 
 # ---- the CUDA layer ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ort_lora.lora_request import LoRARequest
 from ort_lora.server.adapter_templates import check_adapter_template_files
 from ort_lora.server.bodies import json_body
 from ort_lora.server.errors import APIError, model_not_found
-from ort_lora.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from ort_lora.server.protocol_vllm import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 LoadAdapter = Annotated[LoadLoRAAdapterRequest, json_body(LoadLoRAAdapterRequest)]
 UnloadAdapter = Annotated[UnloadLoRAAdapterRequest, json_body(UnloadLoRAAdapterRequest)]

@@ -30,7 +30,8 @@ from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 from ort_lora.sampling_params import MAX_INT
 from ort_lora.server.errors import APIError, bad_request
 from ort_lora.server.limits import MAX_MESSAGES, MAX_TOOLS
-from ort_lora.server.protocol import AdapterTerm, ChatCompletionRequest, Name, Source, _Request
+from ort_lora.server.protocol import AdapterTerm, ChatCompletionRequest
+from ort_lora.server.protocol_fields import Name, Source, _Request
 
 NO_STATE = "this server stores no responses: send the whole conversation in `input`"
 # Fields of the Responses API this server does not implement: (accepted values, why not)

@@ -25,12 +25,8 @@ from ort_lora.server.bodies import every_route, json_body
 from ort_lora.server.engine_client import EngineClient
 from ort_lora.server.errors import APIError
 from ort_lora.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
-from ort_lora.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from ort_lora.server.protocol import ChatCompletionRequest, CompletionRequest
+from ort_lora.server.protocol_vllm import DetokenizeRequest, TokenizeRequest
 from ort_lora.server.serving import OpenAIServing
 
 # What the OpenAPI schema documents for the routes that are not plain JSON.
