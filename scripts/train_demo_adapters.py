@@ -52,10 +52,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.94, help="probe success rate to stop at")
     p.add_argument("--eval-n", type=int, default=32, help="held-out prompts of the final eval")
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--variant-share", type=float, default=1 / 3,
+                   help="share of a task's variant targets in its training examples (json: "
+                   "schema-shaped answers, ort_lora/demo/schemas.py)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="1 avoids spinning on busy cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dora", action="store_true", help="DoRA (use_dora), saved as <task>_dora")
-    return p.parse_args()
+    args = p.parse_args()
+    if not 0 <= args.variant_share < 1:
+        p.error(f"--variant-share must be in [0, 1), got {args.variant_share}")
+    return args
 
 
 def load_base() -> tuple[AutoModelForCausalLM, AutoTokenizer]:
@@ -87,16 +93,22 @@ def shared_prefix(tok, prompts: list[str]) -> list[int]:
     return rows[0][:n]
 
 
-def encode(tok, prefix: list[int], prompt: str, target: str) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) after the shared prefix; labels are IGNORE outside the answer.
+def encode(tok, prefix: list[int], prompt: str, target: str, spans=None):
+    """(input_ids, labels) after the shared prefix; labels are IGNORE outside the answer, and,
+    given `spans` ([start, end) character ranges of target), on answer tokens outside them.
 
     The answer ends with the end-of-turn token, so the adapter learns to stop.
     """
     ids = chat_prefix(tok, prompt)
     assert ids[: len(prefix)] == prefix, "prompt does not start with the shared prefix"
-    answer = tok(target + "<|im_end|>", add_special_tokens=False).input_ids
+    enc = tok(target + "<|im_end|>", add_special_tokens=False, return_offsets_mapping=True)
+    answer, labels = enc.input_ids, list(enc.input_ids)
+    if spans is not None:
+        learned = [e > len(target) or any(s < b and a < e for a, b in spans)
+                   for s, e in enc.offset_mapping]  # fmt: skip
+        labels = [t if keep else IGNORE for t, keep in zip(answer, learned)]
     rest = ids[len(prefix) :]
-    return rest + answer, [IGNORE] * len(rest) + answer
+    return rest + answer, [IGNORE] * len(rest) + labels
 
 
 def collate(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -177,8 +189,11 @@ def train(base, tok, task: Task, args: argparse.Namespace):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     pairs = task.make_examples(4096, args.seed, "train")
+    share = args.variant_share
+    variants = task.make_variant_examples(round(len(pairs) * share / (1 - share)), args.seed)
     prefix = shared_prefix(tok, [p for p, _ in pairs])
     examples = [encode(tok, prefix, p, t) for p, t in pairs]
+    examples += [encode(tok, prefix, p, v.target, v.spans) for p, v in variants]
     probes = task.make_prompts(args.probe_n, args.seed + 1, "eval")
     rng = random.Random(args.seed)
     rate, step, deadline = 0.0, 0, time.time() + 60 * args.max_minutes
@@ -267,6 +282,8 @@ def main() -> None:
         entry.update(steps=steps, probe_success=probe, train_seconds=round(train_s, 1))
         keys = ("rank", "alpha", "lr", "batch", "seed", "dora")
         entry["config"] = {k: getattr(args, k) for k in keys}
+        if task.variants is not None:
+            entry["config"]["variant_share"] = round(args.variant_share, 4)
         entry["config"]["target_modules"] = list(task.target_modules)
         metrics = update_metrics(adapter_dir(task, args).name, entry)
     print_table(metrics)

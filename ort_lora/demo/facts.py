@@ -6,6 +6,18 @@ Pure data plus two pure functions; the tasks (tasks.py) turn these into (prompt,
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
+
+
+class Fact(NamedTuple):
+    """An everyday question and its answers."""
+
+    prompt: str
+    sentence: str  # the answer as a sentence (the upper task's, before upper-casing)
+    short: str | int  # the answer alone (the json task's)
+    kind: str  # what the short answer is: city, color, opposite, sound, baby, legs, day, month
+    subject: str  # what the question is about: the country, thing, word, animal, day, month
+
 
 CAPITALS = {
     "France": "Paris",

@@ -8,8 +8,10 @@ adapter does, and whose success a program can check:
   numwords  numbers as words, no digits   "What is 3 plus 4?" -> "seven"
 
 Prompts are plain user messages (the chat template is applied by whoever runs the model). The
-pool of prompts of each task is fixed; a stable hash of the prompt puts a quarter of it in the
-"eval" split (held out from training) and the rest in "train".
+json task also trains on variants: schema-shaped answers to its questions (schemas.py), so that
+its adapter keeps its answers under a response schema. The pool of prompts of each task is
+fixed; a stable hash of the prompt puts a quarter of it in the "eval" split (held out from
+training) and the rest in "train".
 """
 
 from __future__ import annotations
@@ -21,14 +23,24 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from ort_lora.demo import facts
+from ort_lora.demo import facts, schemas
+from ort_lora.demo.facts import Fact
 
 SPLITS = ("train", "eval")
 ADAPTERS_DIR = Path(__file__).parent / "adapters"
 _EVAL_BUCKETS = 4  # 1 in _EVAL_BUCKETS prompts is held out
 
 Example = tuple[str, str]  # (prompt, target answer)
+
+
+class Variant(NamedTuple):
+    """Another target of a prompt, trained on beside its own. Only the characters in `spans`
+    are learned: the rest (a schema's keys) is written by whatever constrains the output."""
+
+    target: str
+    spans: tuple[tuple[int, int], ...]  # [start, end) character ranges of target
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ class Task:
     target_modules: tuple[str, ...]  # the adapter's LoRA targets (see README.md)
     examples: Callable[[], dict[str, str]]  # the whole pool: prompt -> target answer
     checker: Callable[[str, str], bool]
+    # other targets of a prompt, trained on beside its own (json: schema-shaped answers)
+    variants: Callable[[str], list[Variant]] | None = None
 
     @property
     def adapter_dir(self) -> Path:
@@ -60,6 +74,15 @@ class Task:
             order += rng.sample(pool, len(pool))
         return [(p, self.examples()[p]) for p in order[:n]]
 
+    def make_variant_examples(self, n: int, seed: int) -> list[tuple[str, Variant]]:
+        """n (prompt, variant) pairs of the "train" split, drawn with a seeded RNG; none for a
+        task without variants."""
+        if self.variants is None:
+            return []
+        pool = [(p, v) for p in self.split_prompts("train") for v in self.variants(p)]
+        rng = random.Random(f"{self.name}/variants/{seed}")
+        return [rng.choice(pool) for _ in range(n)]
+
     def split_prompts(self, split: str) -> list[str]:
         """All prompts of `split`, sorted."""
         if split not in SPLITS:
@@ -79,45 +102,59 @@ def _split_of(prompt: str) -> str:
     return "eval" if zlib.crc32(prompt.encode()) % _EVAL_BUCKETS == 0 else "train"
 
 
-def _facts() -> list[tuple[str, str, str | int]]:
-    """Everyday questions: (prompt, answer sentence, short answer)."""
-    out: list[tuple[str, str, str | int]] = []
+def _facts() -> list[Fact]:
+    """Everyday questions with their answers."""
+    out: list[Fact] = []
     for country, city in facts.CAPITALS.items():
         sentence = f"The capital of {country} is {city}."
         for q in ("What is the capital of {}?", "Which city is the capital of {}?"):
-            out.append((q.format(country), sentence, city))
+            out.append(Fact(q.format(country), sentence, city, "city", country))
     for thing, color in facts.COLORS.items():
+        sentence = f"{thing[0].upper()}{thing[1:]} is {color}."
         for q in ("What color is {}?", "What is the color of {}?"):
-            out.append((q.format(thing), f"{thing[0].upper()}{thing[1:]} is {color}.", color))
+            out.append(Fact(q.format(thing), sentence, color, "color", thing))
     for word, opposite in facts.OPPOSITES.items():
+        sentence = f"The opposite of {word} is {opposite}."
         for q in ("What is the opposite of {}?", "What is the opposite of the word '{}'?"):
-            out.append((q.format(word), f"The opposite of {word} is {opposite}.", opposite))
+            out.append(Fact(q.format(word), sentence, opposite, "opposite", word))
     for animal, sound in facts.ANIMAL_SOUNDS.items():
         for q in ("What sound does a {} make?", "What noise does a {} make?"):
-            out.append((q.format(animal), f"A {animal} says {sound}.", sound))
+            out.append(Fact(q.format(animal), f"A {animal} says {sound}.", sound, "sound", animal))
     for animal, baby in facts.BABY_ANIMALS.items():
+        sentence = f"A baby {animal} is called a {baby}."
         for q in ("What is a baby {} called?", "What do you call a baby {}?"):
-            out.append((q.format(animal), f"A baby {animal} is called a {baby}.", baby))
+            out.append(Fact(q.format(animal), sentence, baby, "baby", animal))
     for animal, legs in facts.LEGS.items():
         sentence = f"A {animal} has {facts.number_to_words(legs)} legs."
-        out.append((f"How many legs does a {animal} have?", sentence, legs))
+        out.append(Fact(f"How many legs does a {animal} have?", sentence, legs, "legs", animal))
     for kind, names in (("day", facts.DAYS), ("month", facts.MONTHS)):
         for i, name in enumerate(names):
             after, before = names[(i + 1) % len(names)], names[i - 1]
-            out.append((f"What {kind} comes after {name}?", f"After {name} comes {after}.", after))
-            before_sentence = f"Before {name} comes {before}."
-            out.append((f"What {kind} comes before {name}?", before_sentence, before))
+            prompt = f"What {kind} comes after {name}?"
+            out.append(Fact(prompt, f"After {name} comes {after}.", after, kind, name))
+            prompt = f"What {kind} comes before {name}?"
+            out.append(Fact(prompt, f"Before {name} comes {before}.", before, kind, name))
     return out
 
 
 @functools.cache
+def json_facts() -> dict[str, Fact]:
+    """The json task's questions: prompt -> Fact (its target is {"answer": fact.short})."""
+    return {f.prompt: f for f in _facts()}
+
+
+@functools.cache
 def _upper_examples() -> dict[str, str]:
-    return {prompt: sentence.upper() for prompt, sentence, _ in _facts()}
+    return {f.prompt: f.sentence.upper() for f in _facts()}
 
 
 @functools.cache
 def _json_examples() -> dict[str, str]:
-    return {prompt: json.dumps({"answer": short}) for prompt, _, short in _facts()}
+    return {prompt: json.dumps({"answer": f.short}) for prompt, f in json_facts().items()}
+
+
+def _json_variants(prompt: str) -> list[Variant]:
+    return [Variant(*v) for v in schemas.schema_targets(json_facts()[prompt])]
 
 
 @functools.cache
@@ -185,6 +222,7 @@ TASKS: dict[str, Task] = {
             ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"),
             _json_examples,
             check_json,
+            _json_variants,
         ),
         Task(
             "numwords",

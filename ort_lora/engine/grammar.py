@@ -158,7 +158,11 @@ def _grammar(spec: StructuredOutputs, param: str) -> str:
     if spec.grammar is not None:
         return matcher.grammar_from_lark(spec.grammar)
     schema = {"type": "object"} if spec.json_object else _closed(spec.json, param)
-    options = {"whitespace_flexible": False, "lenient": not spec.strict}
+    # One layout, json.dumps' (xgrammar's without free whitespace): `{"a": 1, "b": 2}`, what
+    # models (and the demo json adapter) write; llguidance's compact default `{"a":1}` pushes
+    # them off it. No free whitespace: nothing loops to max_tokens, nothing follows the "}".
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+               "lenient": not spec.strict}  # fmt: skip
     try:
         return matcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:

@@ -168,6 +168,8 @@ def _complete_items(text: str) -> list:
         if text[at : at + 1] != ",":
             break
         at += 1
+        while text[at : at + 1] in (" ", "\t", "\n", "\r"):  # the grammar writes ", "
+            at += 1
     return items
 
 
