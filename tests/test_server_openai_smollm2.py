@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server_openai_fields import documented, every_field
+from test_server_openai_fields import create_dropping_refused, documented, every_field
 
 QUESTION = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
 
@@ -23,13 +23,7 @@ def test_every_documented_field_live(live):
     table = documented()
     fields = {**every_field(), "model": engine.model_name, "stream": False}
     del fields["stream_options"]
-    while True:
-        try:
-            res = client.chat.completions.create(**fields)
-            break
-        except openai.BadRequestError as exc:
-            assert table.get(exc.param) == "refused", exc.message
-            del fields[exc.param]
+    res, _ = create_dropping_refused(client, fields, table)
     assert len(res.choices) == 2 and res.usage.completion_tokens > 0
     assert all(c.logprobs.content for c in res.choices)
 
