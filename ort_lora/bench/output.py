@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ort_lora.bench import cluster, plan, plots, report
+from ort_lora.bench import cluster, plan, plots, prefix_report, report
 
 SCHEMA = 1
 ROW_KEYS = (
@@ -58,24 +58,24 @@ def write_outputs(out: Path, results: list[dict], meta: dict, shapes: list[str])
 
 
 def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
+    """The plots of the experiments that ran (none for one without rows)."""
     pngs = []
     for shape in shapes:
         rows = report.rows_of(results, f"systems/{shape}")
         title = f"{shape}: output tokens/s"
-        pngs.append(
-            plots.bar_plot(rows, "output_tok_s", title, "tok/s", out / f"systems_{shape}.png")
-        )
+        if rows:
+            path = out / f"systems_{shape}.png"
+            pngs.append(plots.bar_plot(rows, "output_tok_s", title, "tok/s", path))
     pop = report.rows_of(results, "popularity")
-    pngs.append(
-        plots.bar_plot(pop, "output_tok_s", "adapter popularity", "tok/s", out / "popularity.png")
-    )
+    if pop:
+        title, path = "adapter popularity", out / "popularity.png"
+        pngs.append(plots.bar_plot(pop, "output_tok_s", title, "tok/s", path))
     reg = report.rows_of(results, "registered")
-    pngs.append(
-        plots.line_plot(
-            reg, "num_adapters", "output_tok_s", "registered adapters", out / "registered.png"
-        )
-    )
-    pngs.append(plots.latency_plot(report.rows_of(results, "trace"), out / "trace_latency.png"))
+    if reg:
+        title, path = "registered adapters", out / "registered.png"
+        pngs.append(plots.line_plot(reg, "num_adapters", "output_tok_s", title, path))
+    if trace := report.rows_of(results, "trace"):
+        pngs.append(plots.latency_plot(trace, out / "trace_latency.png"))
     quant = [
         {**r, "label": f"{shape}: {r['label']}"}
         for shape in shapes
@@ -93,6 +93,8 @@ def _plots(out: Path, results: list[dict], shapes: list[str]) -> list[Path]:
         title = "structured outputs: step time by phase"
         pngs.append(plots.step_phases_plot(grammar, title, out / "grammar_steps.png"))
     pngs += cluster.plots_of(report.rows_of(results, "cluster"), out)
+    if path := prefix_report.plot(results, out / "prefix.png"):
+        pngs.append(path)
     return pngs
 
 
@@ -125,7 +127,10 @@ def markdown(doc: dict, shapes: list[str], pngs: list[str]) -> str:
     lines += ["", "## Targets", "", report.targets_table(checks), ""]
     for exp in _sections(shapes):
         rows = report.rows_of(results, exp)
-        if rows:
+        if rows and exp == "prefix":  # with the prefix cache's hit rate and its targets
+            checks = prefix_report.targets_table(prefix_report.targets(results))
+            lines += [f"## {exp}", "", prefix_report.table(rows), "", checks, ""]
+        elif rows:
             lines += [f"## {exp}", "", report.table(rows), ""]
         if rows and exp == "grammar":
             lines += ["Step time at the most sequences, by engine phase:", ""]

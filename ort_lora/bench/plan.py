@@ -19,12 +19,17 @@ grammar     ort-lora with every request's output under a JSON schema of its own,
 variants    ort-lora on the uniform pattern (decode-heavy) with plain LoRA adapters, the same
             adapters as DoRA adapters, every request composing 2 of them (weight 0.5 each),
             and base, alternated (DoRA's and a second adapter's cost)
+prefix      (only when asked for: --experiments prefix) a chat trace over per-adapter system
+            prompts (bench/prefix.py) on ort-lora int4 and float32 with its prefix cache on
+            and off, alternated, and vLLM (float32, its prefix caching); then the same prompt
+            lengths with nothing shared, caching on and off (what hashing and lookup cost)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ort_lora.bench import prefix as P
 from ort_lora.bench import workloads as W
 from ort_lora.bench.spec import RunSpec
 
@@ -40,6 +45,7 @@ class Scale:
     trace: dict
     scale: dict | None = None  # the bigger model's workload (None: no scale experiment)
     cluster: dict | None = None  # the Ray cluster's trace and replicas (None: no cluster runs)
+    prefix: dict | None = None  # the prefix experiment's traces (None: no prefix runs)
 
 
 # The shapes the benchmark's targets are stated at (docs/BENCHMARKS.md): 8 prompt + 64 new
@@ -64,6 +70,19 @@ FULL = Scale(
         pool_mb=1024,
         max_ongoing_requests=8,
     ),
+    prefix=dict(
+        requests=256,
+        adapters=16,
+        system_len=1024,
+        user_range=(32, 64),
+        max_turns=4,
+        max_tokens=32,
+        rate=0.75,  # conversations started per second: ~99 conversations over ~140 s
+        vllm_conversations=8,  # 18 requests: vLLM-CPU runs them in minutes
+        unshared_requests=32,
+        unshared_rate=4.0,  # faster than the engine serves them: throughput is its own
+        pool_bytes=2 << 30,  # the KV memory vLLM gets (VLLM_CPU_KVCACHE_SPACE=2)
+    ),
 )
 QUICK = Scale(
     num_requests=8,
@@ -71,6 +90,18 @@ QUICK = Scale(
     shapes={"decode-heavy": (4, 8), "prefill-heavy": (16, 4)},
     registered=(2, 6),
     trace=dict(n=8, rate=20.0, cv=1.0, prompt_range=(4, 12), output_range=(2, 8)),
+    prefix=dict(
+        requests=16,
+        adapters=4,
+        system_len=64,
+        user_range=(8, 16),
+        max_turns=4,
+        max_tokens=4,
+        rate=20.0,
+        vllm_conversations=3,
+        unshared_requests=8,
+        unshared_rate=20.0,
+    ),
 )
 
 # (system, label, pattern): the rows of the systems experiment, in the order they run: each
@@ -104,7 +135,12 @@ EXPERIMENTS = (
     "quant",
     "variants",
     "cluster",
+    "prefix",
 )
+# experiments that run only when --experiments names them (minutes more than the rest)
+OPT_IN_EXPERIMENTS = ("prefix",)
+# the systems an experiment runs, where it runs only some (the others may run every system)
+EXPERIMENT_SYSTEMS = {"prefix": ("ort-lora", "vllm")}
 # experiments run once per shape, their rows' experiment being "<name>/<shape>"
 SHAPED_EXPERIMENTS = ("systems", "quant")
 # rows of the grammar experiment: every output under its own JSON schema, and unconstrained
@@ -124,6 +160,25 @@ CLUSTER_SYSTEMS = ("ort-lora-ray",)
 # rows of the variants experiment: plain LoRA, the same adapters as DoRA, 2 composed per
 # request, and base (what the LoRA part costs, for the composition's goal)
 VARIANT_ROWS = ("ort-lora LoRA", "ort-lora DoRA", "ort-lora 2 composed", "ort-lora base")
+# rows of the prefix experiment's chat trace, in the order they run (caching on and off
+# alternate: a shared machine's load changes during a run): (system, label, model, caching)
+PREFIX_ROWS = (
+    ("ort-lora", "ort-lora int4 caching on", "ort_lora_int4", True),
+    ("ort-lora", "ort-lora int4 caching off", "ort_lora_int4", False),
+    ("ort-lora", "ort-lora float32 caching on", "ort_lora", True),
+    ("ort-lora", "ort-lora float32 caching off", "ort_lora", False),
+)
+# against vLLM, on the chat trace's first conversations (vLLM-CPU is too slow for all of it
+# in the time a run has): ort-lora and vLLM, float32, both with their prefix caches
+PREFIX_VLLM_ROWS = (
+    ("ort-lora", "short trace: ort-lora float32 caching on", "ort_lora", True),
+    ("vllm", "short trace: vLLM float32 prefix caching", "hf", True),
+)
+# the unshared trace's rows: int4 (the default model), caching off and on, twice
+PREFIX_UNSHARED_ROWS = tuple(
+    ("ort-lora", f"unshared: ort-lora int4 caching {'on' if on else 'off'}", "ort_lora_int4", on)
+    for on in (False, True, True, False)
+)
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -208,6 +263,28 @@ def _cluster_runs(scale: Scale, vocab_size: int, seed: int) -> list[dict]:
         _run("ort-lora-ray", f"ort-lora Ray, {r} routing", "cluster", trace, routing=r, **options)
         for r in ("adapter", "default")
     ]
+
+
+def prefix_runs(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0) -> list[dict]:
+    """The prefix experiment's runs: PREFIX_ROWS on the chat trace, then PREFIX_UNSHARED_ROWS
+    on the unshared one (options: the export, the prefix cache on or off, the pool)."""
+    p = scale.prefix
+    if p is None:
+        return []
+    keys = ("requests", "adapters", "system_len", "user_range", "max_turns", "max_tokens", "rate")
+    chat = P.chat_trace(*(p[k] for k in keys), vocab_size, seed)
+    short = P.first_conversations(chat, p["vllm_conversations"])
+    unshared = P.unshared_trace(chat, p["unshared_requests"], p["unshared_rate"], vocab_size, seed)
+    pool = {"pool_bytes": p["pool_bytes"]} if "pool_bytes" in p else {}
+    runs = []
+    order = ((PREFIX_ROWS[:3], chat), (PREFIX_VLLM_ROWS, short), (PREFIX_ROWS[3:], chat))
+    for rows, trace in (*order, (PREFIX_UNSHARED_ROWS, unshared)):
+        for k, (system, label, model, caching) in enumerate(rows):
+            options = dict(model=model, prefix_caching=caching, **pool)
+            if trace is unshared:  # its rows run twice
+                options["repeat"] = k
+            runs.append(_run(system, label, "prefix", trace, **options))
+    return [r for r in runs if r["system"] in systems]
 
 
 def _run(system: str, label: str, experiment: str, workload: W.Workload, **options) -> dict:

@@ -65,7 +65,7 @@ def latency_plot(rows: list[dict], path: Path) -> Path:
 
 
 def step_phases_plot(rows: list[dict], title: str, path: Path) -> Path:
-    """Mean step time at the run's most sequences, stacked by engine phase (engine/timing.py:
+    """Mean step time at the run's most sequences, stacked by engine phase (ort_lora/timing.py:
     "run" is ONNX Runtime's), one bar per run."""
     plt = _plt()
     ok = [r for r in rows if "error" not in r and "host_ms" in r.get("extra", {})]
@@ -80,6 +80,26 @@ def step_phases_plot(rows: list[dict], title: str, path: Path) -> Path:
     ax.set_ylabel("ms per step")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def latency_and_rate_plot(rows: list[dict], marked: list[bool], title: str, path: Path) -> Path:
+    """TTFT p50 (log scale) and output tok/s of each run side by side, marked runs green and
+    the others gray."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.2 * len(rows) + 4), 4.5))
+    colors = ["tab:green" if m else "tab:gray" for m in marked]
+    for ax, key in zip(axes, ("ttft_p50_ms", "output_tok_s"), strict=True):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ticks = [r["label"] for r in rows]
+        ax.set_xticks(range(len(rows)), ticks, rotation=35, ha="right", fontsize=7)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("TTFT p50 ms (log scale)")
+    axes[1].set_ylabel("output tokens/s")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ort_lora.bench import prefix_report
+
 COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.1f}"),
     ("output_tok_per_cpu_s", "tok/CPU-s", "{:.1f}"),
@@ -69,6 +71,8 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     out = []
     for shape in shapes:
         exp = f"systems/{shape}"
+        if not rows_of(results, exp):  # a run without the systems experiment
+            continue
         for ours, other, goal in (
             ("ort-lora mixed", "onnxruntime-genai base", 1.0),
             ("ort-lora mixed", "transformers+PEFT mixed", 3.4 if shape == "decode-heavy" else 2.6),
@@ -88,7 +92,8 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     base = find(results, "popularity", "ort-lora base")
     for pattern, goal in (("identical", 0.9), ("uniform", 0.8), ("distinct", 0.6)):
         r = find(results, "popularity", f"ort-lora {pattern}")
-        out.append((f"LoRA cost: {pattern} / base", *_both(r, base), goal))
+        if rows_of(results, "popularity"):
+            out.append((f"LoRA cost: {pattern} / base", *_both(r, base), goal))
     regs = [r for r in rows_of(results, "registered") if "error" not in r]
     regs.sort(key=lambda r: r["num_adapters"])
     if len(regs) >= 2:
@@ -108,7 +113,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if mixed is not None and "host_share_at_max_seqs" in mixed["extra"]:
         share = mixed["extra"]["host_share_at_max_seqs"]
         out.append(("host share of a step at max seqs (<=)", share, None, 0.10))
-    return out + _grammar(results) + _variants(results)
+    return out + _grammar(results) + _variants(results) + prefix_report.targets(results)
 
 
 def _grammar(results: list[dict]) -> list[tuple]:

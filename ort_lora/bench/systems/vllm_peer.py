@@ -54,10 +54,28 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         "max_num_seqs": 64,
         "max_model_len": MAX_MODEL_LEN,
     }
+    if "chat" in spec.workload:  # a chat trace (bench/prefix.py), driven by chat_loop.py
+        job.update(chat=spec.workload, max_model_len=chat_model_len(spec.workload))
+        job["enable_prefix_caching"] = spec.options.get("prefix_caching", True)
     out = run_child(python, CHILD, [], job, vllm_env(spec.threads))
-    times = [RequestTimes(r.arrival_s, t) for r, t in zip(workload.requests, out["token_s"])]
+    sent = out.get("sent_s") or [r.arrival_s for r in workload.requests]
+    times = [RequestTimes(s, t) for s, t in zip(sent, out["token_s"], strict=True)]
     extra = {"cpu_s": out["cpu_s"], "server_peak_rss_mb": out["peak_rss_mb"]}
+    if "cached_tokens" in out:
+        from ort_lora.bench.systems.chat_loop import cache_stats
+
+        extra.update(cache_stats(out), prefix_caching=job["enable_prefix_caching"])
     return times, {**extra, "vllm_version": out["version"]}
+
+
+def chat_model_len(doc: dict) -> int:
+    """vLLM's max_model_len for a chat trace's JSON: the longest conversation's history
+    (every turn's user tokens and answer), rounded up to a multiple of 256."""
+    from ort_lora.bench.prefix import ChatTrace
+
+    trace = ChatTrace.from_json(doc)
+    longest = max(trace.prompt_lengths(), default=0) + trace.max_tokens
+    return -(-longest // 256) * 256
 
 
 def max_rank(adapters: list[str]) -> int:
