@@ -3,10 +3,10 @@
 One bench run measures each row once, and on a shared machine a row's speed moves from run to
 run (its peer's too), so a ratio is read from several runs that alternate the variants being
 compared. Pass the runs' output directories; a directory's name up to its last "-" is its
-variant (quant-rows/int8rows-1, quant-rows/int8rows-2, ... are variant int8rows):
+variant (quant-vnni/splits-q1, quant-vnni/splits-q2, ... are variant splits):
 
-    python bench/collect_targets.py docs/bench/quant-rows/* --match int4 \\
-        --out docs/bench/quant-rows/summary
+    python bench/collect_targets.py docs/bench/quant-vnni/*-q[123] --match int4 \\
+        --out docs/bench/quant-vnni/summary-quiet
 
 Prints, per target whose name contains --match, every run's wall and CPU ratio and the median
 per variant; writes summary.json and summary.png (one panel per target, a dot per run, a bar

@@ -66,7 +66,7 @@ def _both(a: dict | None, b: dict | None) -> tuple[float | None, float | None]:
 
 def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     """(what, measured by wall clock, measured by CPU time or None, goal) for each target the
-    run can check (docs/BENCHMARKS.md, "Targets"); a name ending "(<=)" is an upper bound, a
+    run can check (docs/BENCHMARK_NOTES.md, "Targets"); a name ending "(<=)" is an upper bound, a
     goal of None a comparison without one."""
     out = []
     for shape in shapes:

@@ -1,7 +1,7 @@
 """Serving benchmark through guidellm (the load generator vLLM users run), against
 `ort-lora serve` and `vllm serve` on the same machine, one after the other at every point:
 
-    python -m ort_lora.bench.serving --out docs/bench/serving --cache-dir .cache/bench
+    python -m ort_lora.bench.serving --out docs/bench/serving-quiet --cache-dir .cache/bench
 
 S-LoRA's trace: requests over 16 adapters (each drawn uniformly at random, seeded), prompt
 8-64 and output 8-32 tokens uniform, arrivals Poisson (Gamma with CV 1) or Gamma with CV 2

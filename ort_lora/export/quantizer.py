@@ -45,7 +45,7 @@ class QuantConfig:
     """How a quantized export stores its weights (the manifest's `quantization` records it).
 
     accuracy_level 4 (int8 activations, int32 accumulation) is the fast one on x86 CPUs
-    with AVX2 / AVX-512 VNNI: docs/BENCHMARKS.md measures it against levels 0 and 1."""
+    with AVX2 / AVX-512 VNNI: docs/BENCHMARK_NOTES.md measures it against levels 0 and 1."""
 
     weights: str  # "int4" | "int8"
     block_size: int = 32

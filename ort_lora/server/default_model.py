@@ -29,7 +29,7 @@ CACHE_ENV = "ORT_LORA_CACHE"
 # base weights of the CPU default model: "int4" (the GGUF's Q4_1 blocks carried over into
 # ort_lora.QuantMatMul) or "float32" (dequantized). int4: the same held-out success on every
 # demo task, faster one request at a time and under load (README's default-model note,
-# docs/bench/default_model.json)
+# docs/bench/default_model_qmm.json)
 CPU_WEIGHTS = "int4"
 # an int4 entry must run its linears with this op (one exported before it is exported again)
 INT4_LINEAR_OP = "ort_lora.QuantMatMul"
