@@ -87,6 +87,8 @@ SHAPES = [  # (rows, N, K, block): decode and prefill rows, N off the 64-column 
     (70, 33, 128, 16),
     (131, 48, 256, 128),
     (2, 200, 64, 32),  # 4 tiles, the last with one 16-column strip of 8 columns
+    (11, 130, 96, 32),  # every row-group size of the kernels (1-6 rows) at some point
+    (5, 72, 64, 64),
 ]
 
 

@@ -285,10 +285,103 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
   }
 }
 
-// AVX2 has no int8 dot product into int32: maddubs (u8 x s8 pairs to int16; a 4-bit code
-// times 127, twice, cannot saturate) and madd with ones. Eight columns (one half) at a time.
+// AVX2 has no int8 dot product into int32: maddubs multiplies u8 x s8 pairs into int16 (a
+// 4-bit code times |x| <= 127, twice: at most 3,810, so no saturation), and int16 sums of up
+// to 8 of those (32 k: at most 30,480) still fit, so madd with ones widens to int32 once per
+// 32 k instead of once per 8. One register is 8 columns (a half strip); NH halves side by side
+// read a tile's codes in order and share each broadcast of x (one row: the whole tile).
+constexpr int64_t kAvx2Flush = 4;  // chunks (of 8 k) summed in int16 before widening
+
+template <int MR, int NH>
+__attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& p,
+                                                                 const TileArgs& t) {
+  const QuantMatMulArgs& a = *p.a;
+  const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
+  const int8_t* xq = p.xq + t.row * k;
+  const float* xscale = p.xscale + t.row * blocks;
+  const float* xqsum = p.xqsum + t.row * blocks;
+  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* w = t.codes;
+  __m256 acc[MR][NH];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < NH; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* xb = xq + b * a.block_size;
+    for (int64_t j0 = 0; j0 < chunks; j0 += kAvx2Flush) {
+      __m256i sum16[MR][NH];
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < NH; ++h) sum16[r][h] = _mm256_setzero_si256();
+      const int64_t j1 = std::min(chunks, j0 + kAvx2Flush);
+      for (int64_t j = j0; j < j1; ++j, w += kChunkBytes) {
+#pragma GCC unroll 8
+        for (int h = 0; h < NH; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+          const __m256i lo = _mm256_and_si256(packed, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const auto [x0, x1] = XQuads(xb + r * k, j);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
+            sum16[r][h] = _mm256_add_epi16(sum16[r][h], _mm256_add_epi16(p0, p1));
+          }
+        }
+      }
+      // widen, scale by the block's scales and fold in: acc += int32(sum) * s * xscale
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) {
+        const __m256 s = _mm256_loadu_ps(t.scales + b * kQuantTile + 8 * h);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
+          const __m256i dot = _mm256_madd_epi16(sum16[r][h], ones);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sx, acc[r][h]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const int64_t at = b * kQuantTile + 8 * h;
+      const __m256 s = _mm256_loadu_ps(t.scales + at);
+      const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
+                                  : _mm256_set1_ps(8.0f);
+      const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+      const __m256 off = xsum ? _mm256_loadu_ps(t.offsets + at) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r][h]);
+        if (xsum) acc[r][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const int64_t columns = std::clamp<int64_t>(t.columns - 8 * h, 0, 8);
+    if (columns == 0) break;
+    for (int r = 0; r < MR; ++r) {
+      float* out = t.y + r * t.ldy + 8 * h;
+      if (columns == 8) {
+        _mm256_storeu_ps(out, acc[r][h]);
+      } else {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r][h]);
+        std::memcpy(out, lanes, columns * sizeof(float));
+      }
+    }
+  }
+}
+
+// One row: the whole tile (4 strips, 8 halves) in one pass.
+__attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, const TileArgs& t) {
+  HalvesAvx2<1, 8>(p, t);
+}
+
+// Several rows: MR rows x one strip, eight columns (one half) at a time, each chunk's int16
+// products widened at once (faster here than HalvesAvx2's int16 sums for 2+ rows: fewer
+// registers live).
 template <int MR>
-__attribute__((target("arch=x86-64-v3"))) void TileAvx2(const Problem& p, const TileArgs& t) {
+__attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
   const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
   const int8_t* xq = p.xq + t.row * k;
@@ -365,19 +458,24 @@ Kernels SelectKernels() {
   static constexpr TileFn base[] = {TileBase<1>, TileBase<2>, TileBase<3>, TileBase<4>};
   static constexpr int one[] = {1, 1, 1, 1, 1, 1, 1, 1};
 #ifdef ORT_LORA_QUANT_X86
-  // few rows: several strips at once (independent dot-product chains, codes read in order)
-  static constexpr TileFn avx512[] = {TileAvx512<1, 4>, TileAvx512<2, 4>, TileAvx512<3, 2>,
-                                      TileAvx512<4, 2>, TileAvx512<5, 1>, TileAvx512<6, 1>,
-                                      TileAvx512<7, 1>, TileAvx512<8, 1>};
-  static constexpr int avx512_strips[] = {4, 4, 2, 2, 1, 1, 1, 1};
-  static constexpr TileFn avx2[] = {TileAvx2<1>, TileAvx2<2>, TileAvx2<3>, TileAvx2<4>};
+  // Row groups and strips per call chosen by bench/bench_ops.py --only quant (docs/
+  // BENCHMARKS.md, "QuantMatMul per ISA"). AVX-512: few rows take several strips at once
+  // (independent dot-product chains, codes read in order); 6-row groups keep 12 accumulators
+  // and 12 block sums in the 32 zmm registers.
+  static constexpr TileFn avx512[] = {TileAvx512<1, 4>, TileAvx512<2, 4>, TileAvx512<3, 4>,
+                                      TileAvx512<4, 2>, TileAvx512<5, 2>, TileAvx512<6, 2>};
+  static constexpr int avx512_strips[] = {4, 4, 4, 2, 2, 2};
+  // AVX2 (16 ymm registers): one row streams the whole tile (8 halves, one broadcast of x for
+  // all); 2-4 rows one strip, half by half.
+  static constexpr TileFn avx2[] = {TileAvx2Row, TileAvx2Rows<2>, TileAvx2Rows<3>, TileAvx2Rows<4>};
+  static constexpr int avx2_strips[] = {4, 1, 1, 1};
   __builtin_cpu_init();
   const char* cap = std::getenv("ORT_LORA_QUANT_ISA");
   const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
   const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni"))
-    return {QuantizeRowAvx512, avx512, avx512_strips, 8};
-  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return {QuantizeRowAvx2, avx2, one, 4};
+    return {QuantizeRowAvx512, avx512, avx512_strips, 6};
+  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return {QuantizeRowAvx2, avx2, avx2_strips, 4};
 #endif
   return {QuantizeRowBase, base, one, 4};
 }
