@@ -11,7 +11,10 @@
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
                   MatMul, SmolLM2's projections, 30 layers' weights per run (as a decode step
-                  reads them: past the caches) -> speedup per product
+                  reads them: past the caches) -> speedup per product, and its rate
+                  against the core's int8 multiply-add roof (bench/int8_roof.cc, built with
+                  the system C++ compiler: vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) for
+                  the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces the AVX2 ones)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--out results/bench_ops.json]
 Prints a table and writes JSON (results, command line, machine). Times are medians over
@@ -505,9 +508,49 @@ def bench_quant(name, rows, k, n, layers, reps, seed, clock):
     }
 
 
+def quant_isa() -> str:
+    """The QuantMatMul kernels this process runs: the CPU's widest, capped by
+    ORT_LORA_QUANT_ISA as the op library caps it."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    cap = os.environ.get("ORT_LORA_QUANT_ISA", "avx512")
+    if cap == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512-vnni"
+    return "avx2" if cap in ("avx512", "avx2") and "avx2" in flags else "baseline"
+
+
+def int8_roof() -> dict:
+    """{"avx2_gops", "avx512_vnni_gops"} of one core (bench/int8_roof.cc, compiled here with
+    $CXX or c++), or {"error": why} when it cannot be built or run."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return {"error": "no C++ compiler ($CXX, c++, g++) to build bench/int8_roof.cc"}
+    source = Path(__file__).with_name("int8_roof.cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "int8_roof"
+        built = subprocess.run([compiler, "-O2", "-o", str(exe), str(source)], capture_output=True)
+        if built.returncode != 0:
+            return {"error": f"{compiler} failed on {source.name}: {built.stderr[-300:]!r}"}
+        # pinned to one core, as the --threads 1 rows it is compared with
+        ran = subprocess.run(["taskset", "-c", "0", str(exe)], capture_output=True, text=True)
+        if ran.returncode != 0:
+            ran = subprocess.run([str(exe)], capture_output=True, text=True)
+        try:
+            return json.loads(ran.stdout)
+        except json.JSONDecodeError:
+            return {"error": f"int8_roof printed {ran.stdout[-200:]!r}"}
+
+
 def machine_info() -> dict:
     return {
-        "cpu": cpu_name(), "threads": THREADS,
+        "cpu": cpu_name(), "threads": THREADS, "quant_isa": quant_isa(),
         "load_average_after": os.getloadavg(), "python": platform.python_version(),
         "onnxruntime": ort.__version__, "numpy": np.__version__,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
@@ -602,6 +645,10 @@ def main(argv=None) -> int:
         print(f"[{done}/{total}] QuantMatMul / MatMulNBits / MatMul {case[0]} ...", flush=True)
         layers = 10 if args.quick else 30
         quant_rows.append(bench_quant(*case, layers=layers, reps=reps, seed=90 + i, clock=clock))
+    roof = int8_roof() if quant_rows else {}
+    roof_gops = roof.get("avx512_vnni_gops" if quant_isa() == "avx512-vnni" else "avx2_gops")
+    for row in quant_rows:  # per core: the roof is one core's
+        row["of_roof"] = row["quant_gops"] / THREADS / roof_gops if roof_gops else None
     pa = None
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
@@ -622,9 +669,10 @@ def main(argv=None) -> int:
     title += " of rank 32 (per call; ratios of medians)"
     print_table(title, mix_rows, cols)
     cols = ["case", "rows", "k", "n", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits", "vs_f32"]
-    cols += ["quant_gops"]
+    cols += ["quant_gops", "of_roof"]
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, 4-bit block 32"
-    title += " (per product, medians of paired runs; vs_* = their time / QuantMatMul's)"
+    title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
+    title += f" / QuantMatMul's; of_roof = GOPS per thread / the int8 roof: {roof})"
     print_table(title, quant_rows, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
@@ -639,6 +687,7 @@ def main(argv=None) -> int:
         "lora_sgmv_row_dtypes": row_dtypes,
         "lora_sgmv_dora_composition": mix_rows,
         "quant_matmul": quant_rows,
+        "int8_roof": roof,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,60 @@
+"""bench/bench_ops.py's QuantMatMul context: the int8 multiply-add roof it builds from
+bench/int8_roof.cc and the kernel ISA it reports (the numbers themselves are the benchmark's,
+never checked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_ops.py"
+
+
+@pytest.fixture(scope="module")
+def bench_ops():
+    spec = importlib.util.spec_from_file_location("bench_ops", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    argv, sys.argv = sys.argv, [str(SCRIPT)]  # it reads --threads from argv at import
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
+    return module
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_roof_builds_and_measures_the_isas_this_cpu_has(bench_ops):
+    roof = bench_ops.int8_roof()
+    assert "error" not in roof, roof
+    flags = cpu_flags()
+    if "avx2" in flags:
+        assert roof["avx2_gops"] > 1.0
+    if "avx512_vnni" in flags:
+        assert roof["avx512_vnni_gops"] > 1.0
+    else:
+        assert roof["avx512_vnni_gops"] is None
+
+
+def test_quant_isa_follows_the_cap(bench_ops, monkeypatch):
+    flags = cpu_flags()
+    monkeypatch.setenv("ORT_LORA_QUANT_ISA", "baseline")
+    assert bench_ops.quant_isa() == "baseline"
+    monkeypatch.setenv("ORT_LORA_QUANT_ISA", "avx2")
+    assert bench_ops.quant_isa() == ("avx2" if "avx2" in flags else "baseline")
+    monkeypatch.delenv("ORT_LORA_QUANT_ISA")
+    widest = "avx512-vnni" if "avx512_vnni" in flags else "avx2"
+    assert bench_ops.quant_isa() == widest
+
+
+def test_roof_reports_a_compiler_failure(bench_ops, monkeypatch):
+    monkeypatch.setenv("CXX", "false")
+    assert "failed" in bench_ops.int8_roof()["error"]
