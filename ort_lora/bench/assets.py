@@ -7,6 +7,7 @@ hf/                    ──▶ genai_base/    onnxruntime-genai model builder,
 hf/                    ──▶ genai_int4/    the same builder, -p int4 (its int4 CPU export)
 GGUF / hf/             ──▶ ort_lora_int4/ ort-lora export --weights int4 (SmolLM2: from the
                                           GGUF, its Q4_1 blocks carried over; else from hf/)
+                                          (_matmulnbits: int4_op MatMulNBits)
 hf/ + adapters/a0      ──▶ genai_lora/    builder with one adapter baked in, its LoRA
                                           weights turned into overridable graph inputs,
                                           + one .onnx_adapter per adapter
@@ -213,20 +214,34 @@ def genai_base(hf: Path, cache: Path, precision: str = "fp32") -> Path:
 
 
 def ort_lora_int4(
-    source: ModelSource, hf: Path, cache: Path, block_size: int, adapter_dtype: str = "float32"
+    source: ModelSource,
+    hf: Path,
+    cache: Path,
+    block_size: int,
+    adapter_dtype: str = "float32",
+    int4_op: str = "QuantMatMul",
 ) -> Path:
     """ort-lora's int4 export (all seven LoRA targets; adapter rows float32, bfloat16 or int8):
     SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
-    model), other models from the HF checkpoint (round-to-nearest)."""
+    model), other models from the HF checkpoint (round-to-nearest). int4_op: the op of its
+    4-bit linears (QuantMatMul, the default model's, or ONNX Runtime's MatMulNBits)."""
     suffix = "" if adapter_dtype == "float32" else f"_{adapter_dtype}"
+    suffix += "" if int4_op == "QuantMatMul" else f"_{int4_op.lower()}"
     out = cache / f"ort_lora_int4{suffix}"
     if not (out / "model.onnx").is_file():
         from ort_lora.export import export_model
 
-        model = _smollm2_gguf() if source.name == "smollm2" else hf
+        model = gguf_file(source) or hf
         options = dict(block_size=block_size, adapter_dtype=adapter_dtype, weights="int4")
-        export_model(model, out, progress=False, force=True, **options)
+        extra = {} if int4_op == "QuantMatMul" else {"int4_op": int4_op}
+        export_model(model, out, progress=False, force=True, extra=extra, **options)
     return out
+
+
+def gguf_file(source: ModelSource) -> Path | None:
+    """The GGUF file a model comes from (SmolLM2's Q4_1 file); None for a model made from
+    an HF checkpoint."""
+    return _smollm2_gguf() if source.name == "smollm2" else None
 
 
 def _run_builder(

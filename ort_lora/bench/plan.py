@@ -23,6 +23,13 @@ prefix      (only when asked for: --experiments prefix) a chat trace over per-ad
             prompts (bench/prefix.py) on ort-lora int4 and float32 with its prefix cache on
             and off, alternated, and vLLM (float32, its prefix caching); then the same prompt
             lengths with nothing shared, caching on and off (what hashing and lookup cost)
+gguf        (only when asked for: --experiments gguf) ort-lora's server on its default int4
+            export (the Q4_1 GGUF's blocks in QuantMatMul) and llama.cpp's llama-server on the
+            same GGUF file with the same adapters as GGUF LoRA files, alternated over 2
+            rounds: requests one at a time (base; one adapter), 32 at once (base; 16 adapters,
+            request i on adapter i % 16), decode-heavy shape; then 16 adapters prefill-heavy
+            and S-LoRA's trace; one at a time base also on the int4 export with ONNX
+            Runtime's MatMulNBits (bench/gguf_report.py: the ratios)
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class Scale:
     scale: dict | None = None  # the bigger model's workload (None: no scale experiment)
     cluster: dict | None = None  # the Ray cluster's trace and replicas (None: no cluster runs)
     prefix: dict | None = None  # the prefix experiment's traces (None: no prefix runs)
+    gguf: dict | None = None  # the gguf experiment's sizes (None: no gguf runs)
 
 
 # The shapes the benchmark's targets are stated at (docs/BENCHMARKS.md): 8 prompt + 64 new
@@ -83,6 +91,7 @@ FULL = Scale(
         unshared_rate=4.0,  # faster than the engine serves them: throughput is its own
         pool_bytes=2 << 30,  # the KV memory vLLM gets (VLLM_CPU_KVCACHE_SPACE=2)
     ),
+    gguf=dict(one_at_a_time=8, at_once=32, adapters=16, rounds=2),
 )
 QUICK = Scale(
     num_requests=8,
@@ -102,6 +111,7 @@ QUICK = Scale(
         unshared_requests=8,
         unshared_rate=20.0,
     ),
+    gguf=dict(one_at_a_time=2, at_once=8, adapters=4, rounds=2),
 )
 
 # (system, label, pattern): the rows of the systems experiment, in the order they run: each
@@ -136,11 +146,14 @@ EXPERIMENTS = (
     "variants",
     "cluster",
     "prefix",
+    "gguf",
 )
 # experiments that run only when --experiments names them (minutes more than the rest)
-OPT_IN_EXPERIMENTS = ("prefix",)
+OPT_IN_EXPERIMENTS = ("prefix", "gguf")
 # the systems an experiment runs, where it runs only some (the others may run every system)
-EXPERIMENT_SYSTEMS = {"prefix": ("ort-lora", "vllm")}
+EXPERIMENT_SYSTEMS = {"prefix": ("ort-lora", "vllm"), "gguf": ("ort-lora-http", "llama-cpp")}
+# systems that only the gguf experiment runs: llama.cpp, built from source (llama_cpp_build.py)
+GGUF_SYSTEMS = ("llama-cpp",)
 # experiments run once per shape, their rows' experiment being "<name>/<shape>"
 SHAPED_EXPERIMENTS = ("systems", "quant")
 # rows of the grammar experiment: every output under its own JSON schema, and unconstrained
@@ -179,6 +192,23 @@ PREFIX_UNSHARED_ROWS = tuple(
     ("ort-lora", f"unshared: ort-lora int4 caching {'on' if on else 'off'}", "ort_lora_int4", on)
     for on in (False, True, True, False)
 )
+# the gguf experiment's workloads: (name, adapter pattern or "trace", one at a time, shape);
+# request counts and adapters from Scale.gguf, the trace's from Scale.trace
+GGUF_WORKLOADS = (
+    ("one at a time, base", "base", True, "decode-heavy"),
+    ("one at a time, 1 adapter", "identical", True, "decode-heavy"),
+    ("{n} at once, base", "base", False, "decode-heavy"),
+    ("{n} at once, {a} adapters", "uniform", False, "decode-heavy"),
+    ("{n} at once, {a} adapters, prefill-heavy", "uniform", False, "prefill-heavy"),
+    ("S-LoRA trace, {a} adapters", "trace", False, None),
+)
+# its systems on every workload, alternated: (system, label, model key), ort-lora's first;
+# the MatMulNBits row runs on the first workload only
+GGUF_ROWS = (
+    ("ort-lora-http", "ort-lora", "ort_lora_int4"),
+    ("llama-cpp", "llama.cpp", "gguf"),
+)
+GGUF_NBITS_ROW = ("ort-lora-http", "ort-lora MatMulNBits", "ort_lora_int4_matmulnbits")
 # rows of the scale experiment: (system, label suffix, pattern)
 SCALE_ROWS = (
     ("ort-lora", "ort-lora uniform", "uniform"),
@@ -221,6 +251,39 @@ def experiments(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0)
         runs.append(_run("ort-lora", GRAMMAR_ROWS[0], "grammar", constrained, repeat=k))
         runs.append(_run("ort-lora", GRAMMAR_ROWS[1], "grammar", free, repeat=k))
     runs += _variant_runs(scale, vocab_size, seed)
+    return [r for r in runs if r["system"] in systems]
+
+
+def gguf_workloads(scale: Scale, vocab_size: int, seed: int) -> list[tuple[str, W.Workload, bool]]:
+    """(name, workload, one at a time) of each of GGUF_WORKLOADS at the scale's sizes."""
+    g, t = scale.gguf, scale.trace
+    out = []
+    for name, pattern, one, shape in GGUF_WORKLOADS:
+        n = g["one_at_a_time"] if one else g["at_once"]
+        a = {"base": 0, "identical": 1}.get(pattern, g["adapters"])
+        if pattern == "trace":
+            keys = ("n", "rate", "cv", "prompt_range", "output_range")
+            w = W.slora_trace(*(t[k] for k in keys), vocab_size, a, seed)
+        else:
+            plen, new = scale.shapes[shape]
+            w = W.popularity_workload(pattern, n, plen, new, vocab_size, a, seed)
+        out.append((name.format(n=n, a=a), w, one))
+    return out
+
+
+def gguf_runs(scale: Scale, vocab_size: int, systems: set[str], seed: int = 0) -> list[dict]:
+    """The gguf experiment's runs: round k of GGUF_ROWS on every workload (the MatMulNBits row
+    after ort-lora's on the first), for each of the scale's rounds. Labels are
+    "<system label>: <workload name>"; options: the model, one at a time, the round."""
+    if scale.gguf is None:
+        return []
+    runs = []
+    for k in range(scale.gguf["rounds"]):
+        for i, (name, w, one) in enumerate(gguf_workloads(scale, vocab_size, seed)):
+            rows = GGUF_ROWS[:1] + ((GGUF_NBITS_ROW,) if i == 0 else ()) + GGUF_ROWS[1:]
+            for system, label, model in rows:
+                options = dict(model=model, sequential=one, repeat=k)
+                runs.append(_run(system, f"{label}: {name}", "gguf", w, **options))
     return [r for r in runs if r["system"] in systems]
 
 

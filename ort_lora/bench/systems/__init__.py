@@ -15,6 +15,7 @@ RUNNERS = {
     "vllm-http": "ort_lora.bench.systems.vllm_peer",
     "optimum": "ort_lora.bench.systems.optimum_peer",
     "ort-lora-ray": "ort_lora.bench.systems.ray_cluster",
+    "llama-cpp": "ort_lora.bench.systems.llama_cpp",
 }
 # chat traces (bench/prefix.py), where a system needs a runner of its own
 CHAT_RUNNERS = {"ort-lora": "ort_lora.bench.systems.ort_lora_chat"}

@@ -1,8 +1,11 @@
 """ort-lora through its OpenAI-compatible HTTP server: `ort-lora serve` in a child process,
 requests sent at their arrival times as streaming /v1/completions calls (token-id prompts,
 greedy, ignore_eos). Token times are the arrival times of the SSE chunks at the client; each
-chunk's token count comes from its logprobs. CPU time and peak memory are the server's
-(its whole process tree). `measure_server` is shared with vLLM's server (vllm_peer.py)."""
+chunk's token count comes from its logprobs (or, from llama-server, from the growth of the
+chunk's timings.predicted_n). CPU time and peak memory are the server's (its whole process
+tree). `measure_server` is shared with vLLM's server (vllm_peer.py) and llama.cpp's
+(llama_cpp.py). A spec with options["sequential"] sends its requests one at a time, each
+when the one before it has ended (its arrival time: when it was sent)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ort_lora.bench.metrics import RequestTimes, cpu_seconds, tree_peak_rss_mb
@@ -91,20 +96,35 @@ def run(spec: RunSpec, workload: Workload) -> tuple[list[RequestTimes], dict]:
         before_stop=lambda: sizes.update(
             pool_and_model_mb(url, spec.models[spec.options.get("model", "ort_lora")])
         ),
+        sequential=spec.options.get("sequential", False),
     )
     return times, {**extra, **sizes}
 
 
-def measure_server(proc, url: str, workload: Workload, base_model=None, before_stop=None):
+# a request's body fields that differ from the default ones (None: the field is left out)
+Fields = Callable[[BenchRequest], dict]
+
+
+def measure_server(
+    proc,
+    url: str,
+    workload: Workload,
+    base_model=None,
+    before_stop=None,
+    fields: Fields | None = None,
+    sequential: bool = False,
+):
     """Wait for the server, warm it up, send the workload; (times, extra with cpu_s and the
     server's peak RSS). Calls before_stop(), then stops the server. base_model: the `model`
-    of base-only requests (None: no `model` field)."""
+    of base-only requests (None: no `model` field); fields: each request's own body fields
+    over the default ones; sequential: one request at a time."""
     try:
         wait_healthy(proc, url)
         warm = BenchRequest((100, 101, 102, 103), 2, None)
-        asyncio.run(_send_all(url, [warm], base_model))
+        asyncio.run(_send_all(url, [warm], base_model, fields))
         cpu0 = cpu_seconds(proc.pid)
-        times = asyncio.run(_send_all(url, list(workload.requests), base_model))
+        requests = list(workload.requests)
+        times = asyncio.run(_send_all(url, requests, base_model, fields, sequential))
         extra = {"cpu_s": cpu_seconds(proc.pid) - cpu0}
         if before_stop is not None:
             before_stop()
@@ -119,17 +139,29 @@ def measure_server(proc, url: str, workload: Workload, base_model=None, before_s
             proc.wait(timeout=30)
 
 
-async def _send_all(url: str, requests: list[BenchRequest], base_model=None):
+async def _send_all(
+    url: str, requests: list[BenchRequest], base_model=None, fields=None, sequential=False
+):
     import httpx
 
-    limits = httpx.Limits(max_connections=len(requests) + 1)
+    # a fresh connection per request: reusing one that llama-server's HTTP library is closing
+    # ends the next request with "Server disconnected" (one request at a time)
+    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        jobs = [_one(client, r, t0, base_model) for r in requests]
+        if sequential:  # each sent when the one before it has ended
+            out = []
+            for r in requests:
+                sent = replace(r, arrival_s=time.perf_counter() - t0)
+                out.append(await _one(client, sent, t0, base_model, fields))
+            return out
+        jobs = [_one(client, r, t0, base_model, fields) for r in requests]
         return list(await asyncio.gather(*jobs))
 
 
-async def _one(client, r: BenchRequest, t0: float, base_model: str | None) -> RequestTimes:
+async def _one(
+    client, r: BenchRequest, t0: float, base_model: str | None, fields: Fields | None = None
+) -> RequestTimes:
     await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
     body = {
         "model": base_model if r.adapter is None else f"a{r.adapter}",
@@ -139,17 +171,26 @@ async def _one(client, r: BenchRequest, t0: float, base_model: str | None) -> Re
         "ignore_eos": True,
         "stream": True,
         "logprobs": 0,
+        **(fields(r) if fields is not None else {}),
     }
-    if body["model"] is None:
-        body.pop("model")
-    times = RequestTimes(r.arrival_s)
+    body = {k: v for k, v in body.items() if v is not None}
+    times, counted = RequestTimes(r.arrival_s), 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"POST /v1/completions: {resp.status_code} {await resp.aread()}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
-            n = len((choice.get("logprobs") or {}).get("tokens") or [])
+            n = chunk_tokens(json.loads(line[6:]), counted)
+            counted += n
             times.token_s.extend([time.perf_counter() - t0] * n)
     return times
+
+
+def chunk_tokens(chunk: dict, counted: int) -> int:
+    """The output tokens a streamed chunk carries: its logprobs' tokens, or, where it has
+    timings (llama-server's timings_per_token), their count so far less `counted`."""
+    if "timings" in chunk:
+        return chunk["timings"]["predicted_n"] - counted
+    choice = (chunk.get("choices") or [{}])[0]
+    return len((choice.get("logprobs") or {}).get("tokens") or [])
