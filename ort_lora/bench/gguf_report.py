@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from ort_lora.bench import report
+
 EXPERIMENT = "gguf"
 OURS, THEIRS, NBITS = "ort-lora", "llama.cpp", "ort-lora MatMulNBits"  # plan.GGUF_ROWS labels
 
@@ -134,7 +136,7 @@ def nbits(results: list[dict]) -> dict | None:
 
 
 def targets(results: list[dict]) -> list[tuple]:
-    """(what, wall-clock ratio, CPU-time ratio, None) per workload, for report.targets: the
+    """(what, wall-clock ratio, CPU-time ratio, None) per workload, for the report's targets: the
     comparisons have no goal."""
     out = [
         (f"gguf {r['workload']}: ort-lora / llama.cpp", r["tok_s"], r["tok_cpu_s"], None)
@@ -160,8 +162,6 @@ def runs_of_system(results: list[dict], system: str) -> list[dict]:
 
 def markdown(results: list[dict], meta: dict) -> str:
     """gguf.md: what ran where, the ratio table, the int4 op comparison, every run."""
-    from ort_lora.bench import report
-
     lines = [
         "# ort-lora and llama.cpp on the same Q4_1 GGUF",
         "",

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ort_lora.bench import cluster, plan, plots, prefix_report, report
+from ort_lora.bench import cluster, gguf_report, plan, plots, prefix_report, report
 
 SCHEMA = 1
 ROW_KEYS = (
@@ -41,7 +41,7 @@ ROW_KEYS = (
 
 def write_outputs(out: Path, results: list[dict], meta: dict, shapes: list[str]) -> list[Path]:
     """Write results.json, report.md and the plots into `out`; the paths written."""
-    checks = report.targets(results, shapes)
+    checks = report.targets(results, shapes) + gguf_report.targets(results)
     doc = {
         "schema": SCHEMA,
         "meta": meta,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ort_lora.bench import gguf_report, prefix_report
+from ort_lora.bench import prefix_report
 
 COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.1f}"),
@@ -113,8 +113,7 @@ def targets(results: list[dict], shapes: list[str]) -> list[tuple]:
     if mixed is not None and "host_share_at_max_seqs" in mixed["extra"]:
         share = mixed["extra"]["host_share_at_max_seqs"]
         out.append(("host share of a step at max seqs (<=)", share, None, 0.10))
-    out += _grammar(results) + _variants(results) + prefix_report.targets(results)
-    return out + gguf_report.targets(results)
+    return out + _grammar(results) + _variants(results) + prefix_report.targets(results)
 
 
 def _grammar(results: list[dict]) -> list[tuple]:
