@@ -50,6 +50,14 @@ of the adapter in slot s starts at element a_offsets[s, j]; row j of B^T (length
 b_offsets[s, j]. An adapter occupies the same pages in every layer, so offsets are shared by
 all layers; ranks and scales are per layer (rank_pattern / alpha_pattern / layers_to_transform).
 No row straddles a page half, so a row is contiguous in memory.
+LoraSGMV nodes (custom_ops/lora_sgmv/lora_sgmv_op.h): on CPU, the target modules of a layer that
+read the same x share one node, attribute modules = M: q/k/v one (M = 3: module 0's y and tables
+in the one-module node's places, modules 1 and 2 each adding y_m, a_offsets_m, b_offsets_m,
+ranks_m, scales_m, dora_offsets_m and an output), o one, gate/up one (M = 2), down one; a
+layer targeting only some of them has a node for those. Output m is exactly the one-module
+op's on module m's inputs (numpy: ort_lora/ops/lora_sgmv_ref.py lora_sgmv_modules): the node
+shares the shrink's pass over x and the call's fixed cost, not the numbers. --device cuda
+graphs keep one node per module (the CUDA op takes one). The graph inputs are the same.
 Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" or "int8" in a
 float32 (CPU) pool (ort_lora/adapter_rows.py): bfloat16 rows hold two values per pool element
 (the first in its low 16 bits), a row of n values occupying ceil(n / 2) elements; int8 rows

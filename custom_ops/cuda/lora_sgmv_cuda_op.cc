@@ -20,6 +20,10 @@ LoraSgmvCudaKernel::LoraSgmvCudaKernel(const OrtKernelInfo* info, SgmvDtype dtyp
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
+  const int64_t modules = AttrOr<int64_t>(ki, "modules", 1);
+  if (modules != 1)
+    Fail("attribute 'modules' = ", modules,
+         " is not supported by the CUDA op: it takes one module (1 or absent)");
   // Rows are always the pool's own element type here (no packed bfloat16 in a float pool).
   const int64_t adapter_dtype = ReadAdapterDtype(ki, ToOnnx(dtype));
   if (adapter_dtype != ToOnnx(dtype))
@@ -34,6 +38,10 @@ OrtStatusPtr LoraSgmvCudaKernel::ComputeV2(OrtKernelContext* context) {
 
 void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
+  if (ctx.GetInputCount() > kNumLoraSgmvInputs || ctx.GetOutputCount() != 1)
+    Fail("the node has ", ctx.GetInputCount(), " inputs and ", ctx.GetOutputCount(),
+         " outputs; the CUDA op takes one module: at most ", kNumLoraSgmvInputs,
+         " inputs and 1 output");
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
   const SgmvPool pool = ReadSgmvPool(in, 2, SgmvRowLayout::kPoolType);
   const SgmvPlan plan = BuildSgmvPlan(ReadSgmvMetadata(in, layer_), pool);
@@ -61,7 +69,7 @@ OrtStatusPtr LoraSgmvCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* 
 ONNXTensorElementDataType LoraSgmvCudaOp::ElementType() const { return ToOnnx(dtype_); }
 
 OrtMemType LoraSgmvCudaOp::GetInputMemoryType(size_t index) const {
-  return index >= kSegStarts ? OrtMemTypeCPUInput : OrtMemTypeDefault;
+  return index >= kSegStarts && !IsLoraSgmvY(index) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
 }
 
 }  // namespace ort_lora

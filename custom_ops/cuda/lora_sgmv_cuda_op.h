@@ -7,6 +7,10 @@
 //  12 comp_weights float [E]  13 dora_offsets int64 [num_slots] or [0]    (host, see below)
 //   (10..13 optional: composition entries and DoRA rows, as the CPU op defines them)
 //   output 0 y_out T [T, out] (device); attribute layer.
+// One module a node: the op declares the CPU op's inputs and outputs of further modules
+// (attribute modules, lora_sgmv_op.h; ORT requires one input count for an op name, whatever the
+// provider), and fails at kernel creation for modules != 1 and at run time for a node that
+// has any of them (CUDA exports keep a node per module).
 // Attribute adapter_dtype (optional int): adapter rows are always T here, so if present it must
 // be T's ONNX element type (10 float16, 16 bfloat16); any other value fails at kernel creation.
 // (Packed bfloat16 rows in a float32 pool are the CPU op's alone; the exporter never sets the
@@ -44,15 +48,18 @@ struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, tr
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
   // Inputs and output as lora_sgmv_inputs.h describes them for every provider, T = dtype.
-  size_t GetInputTypeCount() const { return kNumLoraSgmvInputs; }
+  size_t GetInputTypeCount() const { return kNumLoraSgmvModulesInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return LoraSgmvInputType(index, ElementType());
+    return LoraSgmvModulesInputType(index, ElementType());
   }
   OrtMemType GetInputMemoryType(size_t index) const;
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return LoraSgmvInputCharacteristic(index);
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return kSgmvMaxModules; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType(); }
 
  private:

@@ -71,20 +71,27 @@ int64_t CheckedRank(const SgmvMetadata& m, const SgmvRankLimit& limit, int64_t s
   return rank;
 }
 
+// Address of a row of `len` pool elements at pool element `offset`, or null when those elements
+// do not lie inside one of the halves (written so that no sum can overflow, whatever the
+// offset). The per-row check of every call: inline, the error path apart (Row).
+inline const void* RowOrNull(const SgmvPool& pool, int64_t offset, int64_t len) {
+  const int64_t half = pool.half;
+  if (offset >= 0 && offset < half && len <= half - offset)
+    return static_cast<const char*>(pool.key_cache) + offset * pool.elem_size;
+  if (offset >= half && offset - half < half && len <= 2 * half - offset)
+    return static_cast<const char*>(pool.value_cache) + (offset - half) * pool.elem_size;
+  if (len == 0 && offset >= 0 && offset <= 2 * half) return pool.key_cache;  // reads nothing
+  return nullptr;
+}
+
 // Address of the row of `features` values at pool element `offset`; the pool elements it spans
 // (SgmvRowElems) must lie inside one of the halves.
 // The error names the row as name[slot, j], or name[slot] when j < 0.
 const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const char* name,
                 int64_t slot, int64_t j) {
-  const auto* key = static_cast<const char*>(pool.key_cache);
-  const auto* value = static_cast<const char*>(pool.value_cache);
   const int64_t half = pool.half;
   const int64_t len = SgmvRowElems(pool.rows, features);  // pool elements
-  // Written so that no sum can overflow, whatever the offset.
-  if (offset >= 0 && offset < half && len <= half - offset) return key + offset * pool.elem_size;
-  if (offset >= half && offset - half < half && len <= 2 * half - offset)
-    return value + (offset - half) * pool.elem_size;
-  if (len == 0 && offset >= 0 && offset <= 2 * half) return key;  // empty rows read nothing
+  if (const void* row = RowOrNull(pool, offset, len)) return row;
   std::ostringstream at;
   at << name << "[" << slot;
   if (j >= 0) at << ", " << j;
@@ -103,10 +110,19 @@ void AddSlotRows(const SgmvMetadata& m, const SgmvPool& pool, int64_t slot, int6
                  std::vector<const void*>& rows) {
   const int64_t* a = m.a_offsets + slot * m.max_rank;
   const int64_t* b = m.b_offsets + slot * m.max_rank;
-  for (int64_t j = 0; j < rank; ++j)
-    rows.push_back(Row(pool, a[j], m.in_features, "a_offsets", slot, j));
-  for (int64_t j = 0; j < rank; ++j)
-    rows.push_back(Row(pool, b[j], m.out_features, "b_offsets", slot, j));
+  const int64_t a_len = SgmvRowElems(pool.rows, m.in_features);
+  const int64_t b_len = SgmvRowElems(pool.rows, m.out_features);
+  const size_t at = rows.size();
+  rows.resize(at + 2 * rank);
+  const void** out = rows.data() + at;
+  for (int64_t j = 0; j < rank; ++j) {
+    out[j] = RowOrNull(pool, a[j], a_len);
+    if (out[j] == nullptr) Row(pool, a[j], m.in_features, "a_offsets", slot, j);  // throws
+  }
+  for (int64_t j = 0; j < rank; ++j) {
+    out[rank + j] = RowOrNull(pool, b[j], b_len);
+    if (out[rank + j] == nullptr) Row(pool, b[j], m.out_features, "b_offsets", slot, j);
+  }
 }
 
 }  // namespace
@@ -118,38 +134,58 @@ void CheckSgmvLayer(const SgmvMetadata& m) {
 }
 
 SgmvTerms ListSgmvTerms(const SgmvMetadata& m) {
+  SgmvTerms t;
+  ListSgmvTerms(m, t);
+  return t;
+}
+
+void ListSgmvTerms(const SgmvMetadata& m, SgmvTerms& t) {
   CheckSegStarts(m);
-  std::vector<int64_t> count(m.num_segments, 0);  // terms per segment
+  // t.starts[s + 1] counts segment s's terms first, then becomes the prefix sum
+  t.starts.assign(m.num_segments + 1, 0);
+  int64_t* count = t.starts.data() + 1;
   for (int64_t s = 0; s < m.num_segments; ++s) count[s] = CheckedSlot(m, s) >= 0;
   for (int64_t e = 0; e < m.num_comp; ++e) {
     CheckCompEntry(m, e);
     ++count[m.comp_segs[e]];
   }
-  SgmvTerms t;
-  t.starts.assign(m.num_segments + 1, 0);
-  for (int64_t s = 0; s < m.num_segments; ++s) t.starts[s + 1] = t.starts[s] + count[s];
+  for (int64_t s = 0; s < m.num_segments; ++s) t.starts[s + 1] += t.starts[s];
   t.slots.resize(t.starts[m.num_segments]);
   t.weights.resize(t.slots.size());
-  std::vector<int64_t> next(t.starts.begin(), t.starts.end() - 1);
-  for (int64_t s = 0; s < m.num_segments; ++s)
-    if (m.seg_slots[s] >= 0) t.slots[next[s]] = m.seg_slots[s], t.weights[next[s]++] = 1.0f;
-  for (int64_t e = 0; e < m.num_comp; ++e) {
-    const int64_t i = next[m.comp_segs[e]]++;
-    t.slots[i] = m.comp_slots[e], t.weights[i] = m.comp_weights[e];
+  if (m.num_comp == 0) {  // one term per segment with a slot: no composition to interleave
+    for (int64_t s = 0; s < m.num_segments; ++s)
+      if (m.seg_slots[s] >= 0) t.slots[t.starts[s]] = m.seg_slots[s], t.weights[t.starts[s]] = 1;
+  } else {
+    std::vector<int64_t> next(t.starts.begin(), t.starts.end() - 1);
+    for (int64_t s = 0; s < m.num_segments; ++s)
+      if (m.seg_slots[s] >= 0) t.slots[next[s]] = m.seg_slots[s], t.weights[next[s]++] = 1.0f;
+    for (int64_t e = 0; e < m.num_comp; ++e) {
+      const int64_t i = next[m.comp_segs[e]]++;
+      t.slots[i] = m.comp_slots[e], t.weights[i] = m.comp_weights[e];
+    }
   }
   t.dora.assign(m.num_segments, false);
   for (int64_t s = 0; s < m.num_segments; ++s) {
+    const int64_t n = t.starts[s + 1] - t.starts[s];
+    if (m.dora_offsets == nullptr || n == 0) continue;
     CheckDoraNotComposed(m, t, s);
-    t.dora[s] = count[s] == 1 && DoraOffset(m, t.slots[t.starts[s]]) >= 0;
+    t.dora[s] = n == 1 && DoraOffset(m, t.slots[t.starts[s]]) >= 0;
   }
-  return t;
 }
 
 SgmvCheckedCall CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms,
                                   const SgmvPool& pool, const SgmvRankLimit& limit) {
-  CheckDoraOffsets(m, pool.half);
-  std::vector<int64_t> slot_rows(m.num_slots, -1);  // where a slot's pointers start in rows
   SgmvCheckedCall call;
+  CheckSgmvSegments(m, terms, pool, limit, call);
+  return call;
+}
+
+void CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms, const SgmvPool& pool,
+                       const SgmvRankLimit& limit, SgmvCheckedCall& call) {
+  CheckDoraOffsets(m, pool.half);
+  call.segments.clear(), call.terms.clear(), call.rows.clear();
+  std::vector<int64_t>& slot_rows = call.slot_rows;  // where a slot's pointers start in rows
+  slot_rows.assign(m.num_slots, -1);
   for (int64_t s = 0; s < m.num_segments; ++s) {
     if (m.seg_starts[s] == m.seg_starts[s + 1]) continue;
     SgmvActiveSegment seg{
@@ -176,7 +212,6 @@ SgmvCheckedCall CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms,
     }
     call.segments.push_back(seg);
   }
-  return call;
 }
 
 }  // namespace ort_lora

@@ -29,6 +29,11 @@
 
 namespace ort_lora {
 
+// Modules one LoraSGMV node may serve (attribute `modules`, CPU): q/k/v, the most that read one
+// x. Every provider's op declares their inputs and outputs (ORT requires one input count for an
+// op name); the CUDA op takes one module.
+constexpr int kSgmvMaxModules = 3;
+
 // The host-resident LoRA inputs of one call, as LoraSGMV defines them (lora_sgmv_op.h).
 struct SgmvMetadata {
   const int32_t* seg_starts;  // [S + 1]
@@ -117,7 +122,8 @@ struct SgmvActiveSegment {
 struct SgmvCheckedCall {
   std::vector<SgmvActiveSegment> segments;  // in segment order
   std::vector<SgmvActiveTerm> terms;
-  std::vector<const void*> rows;  // per used slot: its A then its B^T row pointers
+  std::vector<const void*> rows;   // per used slot: its A then its B^T row pointers
+  std::vector<int64_t> slot_rows;  // scratch: per slot, where its pointers start in rows
 };
 
 // Throws unless layer is in [0, num_layers).
@@ -126,10 +132,16 @@ void CheckSgmvLayer(const SgmvMetadata& m);
 // Checks seg_starts, seg_slots, the composition entries and the DoRA rule (see above), and
 // lists every segment's terms. Independent of the layer and the pool.
 SgmvTerms ListSgmvTerms(const SgmvMetadata& m);
+// The same into `out`, whose vectors keep their capacity from one call to the next (no heap
+// allocation per call once they have grown).
+void ListSgmvTerms(const SgmvMetadata& m, SgmvTerms& out);
 
 // Checks every segment with rows at m.layer (ranks, rows) and resolves the rows: once per used
 // slot, its A then B^T row pointers (pool addresses).
 SgmvCheckedCall CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms,
                                   const SgmvPool& pool, const SgmvRankLimit& limit);
+// The same into `out` (reused as ListSgmvTerms' `out` is).
+void CheckSgmvSegments(const SgmvMetadata& m, const SgmvTerms& terms, const SgmvPool& pool,
+                       const SgmvRankLimit& limit, SgmvCheckedCall& out);
 
 }  // namespace ort_lora

@@ -96,6 +96,40 @@ ORT_LORA_INLINE float ToFloat(uint16_t h) {
   return f;
 }
 
+// A row pointer's values and scale by row type R: an int8 row is its float32 scale, then its
+// values (value = scale * q); float32 and bfloat16 rows are their values (scale 1).
+template <typename R>
+ORT_LORA_INLINE const R* Values(const void* row) {
+  if constexpr (sizeof(R) == 1) return static_cast<const R*>(row) + sizeof(float);
+  return static_cast<const R*>(row);
+}
+template <typename R>
+ORT_LORA_INLINE float Scale(const void* row) {
+  if constexpr (sizeof(R) != 1) return 1.0f;
+  float scale;
+  __builtin_memcpy(&scale, row, sizeof(scale));
+  return scale;
+}
+
+// Rows are read ahead of their use by this many bytes (software prefetch, a line of a row at a
+// time): a decode segment's rows are short (int8: 576 to 1536 bytes) and start anywhere, so
+// the hardware prefetchers follow them late, and the expand reads a segment's B^T rows, packed
+// back to back in the adapter's pages, across (a column tile of every row), which they do not
+// follow at all. Further ahead was slower (lines prefetched past a row's end are wasted).
+constexpr int64_t kReadAhead = 256;
+
+ORT_LORA_INLINE void ReadAhead(const void* p) {
+  __builtin_prefetch(static_cast<const char*>(p) + kReadAhead, 0, 3);
+}
+
+// The first `bytes` of each of `count` rows (what ReadAhead does not cover: their starts),
+// asked for one group of rows before their use, so that a group's first loads do not all miss.
+ORT_LORA_INLINE void ReadRowStarts(const void* const* rows, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(static_cast<const char*>(rows[j]) + off, 0, 3);
+}
+
 template <typename V>
 ORT_LORA_INLINE void Store(float* p, V v) {
   __builtin_memcpy(p, &v, sizeof(V));
@@ -110,48 +144,54 @@ ORT_LORA_INLINE float HSum(V16 a) {
               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Shrink tile: v[i * ldv + j] += scales[j] * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and
-// NR rows of A (elements of type R: float or bfloat16 bits). Each A row's scale (its adapter's
-// scale * weight) is applied here, on the small [n, r] result.
+// Shrink tile: v[i * ldv + j] += scale_j * (x_i[k0:k1] . A_j[k0:k1]) for MR rows of x and
+// NR rows of A (elements of type R), scale_j = scales[j] (its adapter's scale * weight) times,
+// for int8 rows, A_j's and B^T_j's row scales: applied here, on the small [n, r] result. Reading
+// B^T_j's scale also starts the load of its first line ahead of the expand.
 template <typename V, typename R, int MR, int NR>
-ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* a_rows, int64_t k0,
-                                int64_t k1, const float* scales, float* v, int64_t ldv) {
+ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* a_rows,
+                                const void* const* bt_rows, int64_t k0, int64_t k1,
+                                const float* scales, float* v, int64_t ldv) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  constexpr int64_t kLineElems = 64 / sizeof(R);
   const R* a[NR];
-  for (int j = 0; j < NR; ++j) a[j] = static_cast<const R*>(a_rows[j]);
+  for (int j = 0; j < NR; ++j) a[j] = Values<R>(a_rows[j]);
   V acc[MR][NR] = {};
   int64_t kk = k0;
   for (; kk + kLanes <= k1; kk += kLanes) {
     V xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = Load<V>(x + i * ldx + kk);
     for (int j = 0; j < NR; ++j) {
+      if (kLanes >= kLineElems || kk % kLineElems == 0) ReadAhead(a[j] + kk);
       const V av = Load<V>(a[j] + kk);
       for (int i = 0; i < MR; ++i) acc[i][j] += xv[i] * av;
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
+  for (int j = 0; j < NR; ++j) {
+    const float scale = scales[j] * Scale<R>(a_rows[j]) * Scale<R>(bt_rows[j]);
+    for (int i = 0; i < MR; ++i) {
       float s = HSum(acc[i][j]);
       for (int64_t q = kk; q < k1; ++q) s += x[i * ldx + q] * ToFloat(a[j][q]);
-      v[i * ldv + j] += scales[j] * s;
+      v[i * ldv + j] += scale * s;
     }
   }
 }
 
 // Expand tile: y_out_i[c:c+NQ*lanes] = y_i[...] + sum_j v[i * ldv + j] * Bt_j[...], then
-// times 1 + D[...] with a DoRA row (dora not null). The accumulators start from y, so its loads
-// overlap the multiply-adds.
+// times 1 + dora_scale * D[...] with a DoRA row (dora: its values, or null; dora_scale: an int8
+// row's scale, else 1). The accumulators start from y, so its loads overlap the multiply-adds.
 template <typename V, typename R, int MR, int NQ>
 ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* bt, int64_t r,
-                                const R* dora, int64_t c, const float* y, float* y_out,
-                                int64_t ldy) {
+                                const R* dora, float dora_scale, int64_t c, const float* y,
+                                float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   V acc[MR][NQ];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NQ; ++q) acc[i][q] = Load<V>(y + i * ldy + c + q * kLanes);
   for (int64_t j = 0; j < r; ++j) {
     V b[NQ];
-    const R* bt_j = static_cast<const R*>(bt[j]);
+    const R* bt_j = Values<R>(bt[j]);
+    for (int64_t off = 0; off < NQ * kLanes; off += 64 / sizeof(R)) ReadAhead(bt_j + c + off);
     for (int q = 0; q < NQ; ++q) b[q] = Load<V>(bt_j + c + q * kLanes);
     for (int i = 0; i < MR; ++i) {
       const float vij = v[i * ldv + j];
@@ -160,7 +200,7 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* 
   }
   if (dora != nullptr) {
     for (int q = 0; q < NQ; ++q) {
-      const V d = Load<V>(dora + c + q * kLanes);
+      const V d = Load<V>(dora + c + q * kLanes) * dora_scale;
       for (int i = 0; i < MR; ++i) acc[i][q] += acc[i][q] * d;
     }
   }
@@ -172,11 +212,12 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* 
 // Columns [c, c_end) of one row, fewer than one vector: plain scalar code.
 template <typename R>
 ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t r, const R* dora,
-                                  int64_t c, int64_t c_end, const float* y, float* y_out) {
+                                  float dora_scale, int64_t c, int64_t c_end, const float* y,
+                                  float* y_out) {
   for (; c < c_end; ++c) {
     float s = y[c];
-    for (int64_t j = 0; j < r; ++j) s += v[j] * ToFloat(static_cast<const R*>(bt[j])[c]);
-    if (dora != nullptr) s += s * ToFloat(dora[c]);
+    for (int64_t j = 0; j < r; ++j) s += v[j] * ToFloat(Values<R>(bt[j])[c]);
+    if (dora != nullptr) s += s * (dora_scale * ToFloat(dora[c]));
     y_out[c] = s;
   }
 }
@@ -185,16 +226,16 @@ ORT_LORA_INLINE void ExpandScalar(const float* v, const void* const* bt, int64_t
 // of A rows stays in L1 while the x rows stream by.
 template <typename V, typename R, int NR>
 ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const void* const* a,
-                                 int64_t k0, int64_t k1, const float* scales, float* v,
-                                 int64_t ldv) {
+                                 const void* const* bt, int64_t k0, int64_t k1, const float* scales,
+                                 float* v, int64_t ldv) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4)
-    ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
+    ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
   if (t + 2 <= n) {  // 2 rows share each load (and widening) of A
-    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
+    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
     t += 2;
   }
-  if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, k0, k1, scales, v + t * ldv, ldv);
+  if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
 }
 
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
@@ -221,24 +262,24 @@ ORT_LORA_INLINE void WidenRow(const int8_t* src, int64_t len, float* dst) {
   for (; c < len; ++c) dst[c] = scale * ToFloat(q[c]);
 }
 
-// Widens every row of one segment (rows of type R) into its place in wide_values.
+// Widens every row of one segment (rows of type R) into its place in wide_values (where
+// plan.segs' rows of the segment point).
 template <typename V, typename R>
 ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
   const int64_t seg = plan.widen[index];
-  const SgmvSegment& s = plan.p->segments[seg];
-  const int64_t in = plan.p->in_features, out = plan.p->out_features;
-  float* a = plan.wide_values + plan.wide_base[seg];  // [r, lda]
-  float* bt = a + s.rank * plan.lda;                  // [r, ldb], then D [ldb] if DoRA
-  auto row = [](const void* r) { return static_cast<const R*>(r); };
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(row(s.a_rows[j]), in, a + j * plan.lda);
-  for (int64_t j = 0; j < s.rank; ++j) WidenRow<V>(row(s.bt_rows[j]), out, bt + j * plan.ldb);
-  if (s.dora != nullptr) WidenRow<V>(row(s.dora), out, bt + s.rank * plan.ldb);
-}
-
-// Asks for the cache lines of `bytes` bytes from p ahead of their use.
-ORT_LORA_INLINE void PrefetchBytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  const SgmvProblem& p = *plan.p;
+  const SgmvSegment& from = p.segments[seg];
+  const SgmvSegment& to = plan.segs[seg];
+  auto src = [](const void* r) { return static_cast<const R*>(r); };
+  auto dst = [](const void* r) { return static_cast<float*>(const_cast<void*>(r)); };
+  for (int64_t j = 0; j < from.rank; ++j)
+    WidenRow<V>(src(from.a_rows[j]), p.in_features, dst(to.a_rows[j]));
+  for (int m = 0; m < p.num_outputs; ++m) {
+    const int64_t out = p.outputs[m].features;
+    for (int64_t j = from.first[m]; j < from.first[m + 1]; ++j)
+      WidenRow<V>(src(from.bt_rows[j]), out, dst(to.bt_rows[j]));
+    if (from.dora[m] != nullptr) WidenRow<V>(src(from.dora[m]), out, dst(to.dora[m]));
+  }
 }
 
 template <typename V, typename R>
@@ -251,81 +292,96 @@ ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
   const float* x = p.x + it.row0 * k;
   const int64_t n = it.row1 - it.row0;
   for (int64_t t = 0; t < n; ++t) std::fill(v + t * r + it.lo, v + t * r + it.hi, 0.0f);
-  if (sizeof(R) == 1 && n < kWidenMinRows) {
-    // int8 decode rows are a few cache lines each, in scattered pages: ask for all of the
-    // item's rows up front, so that their misses overlap instead of one row after another.
-    for (int64_t j = it.lo; j < it.hi; ++j) PrefetchBytes(s.a_rows[j], k * sizeof(R));
-  }
   for (int64_t k0 = 0; k0 < k; k0 += kShrinkKBlock) {
     const int64_t k1 = std::min(k, k0 + kShrinkKBlock);
     int64_t j = it.lo;
-    for (; j + 4 <= it.hi; j += 4)
-      ShrinkGroup<V, R, 4>(x, n, k, s.a_rows + j, k0, k1, s.scales + j, v + j, r);
+    for (; j < it.hi; j += 4) {
+      // While this group of A rows is read: the next group's starts, and the starts of this
+      // group's B^T rows (the expand's, next). Measured on int8 decode rows: 1.2x.
+      ReadRowStarts(s.a_rows + j + 4, std::min<int64_t>(4, it.hi - j - 4), 2 * kReadAhead);
+      ReadRowStarts(s.bt_rows + j, std::min<int64_t>(4, it.hi - j), kReadAhead);
+      if (j + 4 > it.hi) break;
+      ShrinkGroup<V, R, 4>(x, n, k, s.a_rows + j, s.bt_rows + j, k0, k1, s.scales + j, v + j, r);
+    }
     for (; j < it.hi; ++j)
-      ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, k0, k1, s.scales + j, v + j, r);
+      ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, s.bt_rows + j, k0, k1, s.scales + j, v + j, r);
   }
 }
 
+// One module's part of a segment's expand: v's columns [j0, j0 + r) of rows [row, ...) (row
+// stride ldv = the segment's R), its r B^T rows, and its DoRA row's values and scale.
+struct ExpandRowsOf {
+  const float* v;
+  int64_t ldv;
+  const void* const* bt;
+  int64_t r;
+  const void* dora;
+  float dora_scale;
+};
+
 // Columns [c0, c1) of MR rows: 4-vector strips, then 1-vector strips, then a scalar tail.
 template <typename V, typename R, int MR>
-ORT_LORA_INLINE void ExpandRows(const float* v, const SgmvSegment& s, int64_t c0, int64_t c1,
+ORT_LORA_INLINE void ExpandRows(const ExpandRowsOf& e, const float* v, int64_t c0, int64_t c1,
                                 const float* y, float* y_out, int64_t ldy) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-  const int64_t r = s.rank;
-  const R* dora = static_cast<const R*>(s.dora);
+  const R* dora = static_cast<const R*>(e.dora);
   int64_t c = c0;
   for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
-    ExpandTile<V, R, MR, 4>(v, r, s.bt_rows, r, dora, c, y, y_out, ldy);
+    ExpandTile<V, R, MR, 4>(v, e.ldv, e.bt, e.r, dora, e.dora_scale, c, y, y_out, ldy);
   for (; c + kLanes <= c1; c += kLanes)
-    ExpandTile<V, R, MR, 1>(v, r, s.bt_rows, r, dora, c, y, y_out, ldy);
+    ExpandTile<V, R, MR, 1>(v, e.ldv, e.bt, e.r, dora, e.dora_scale, c, y, y_out, ldy);
   for (int i = 0; i < MR && c < c1; ++i)
-    ExpandScalar<R>(v + i * r, s.bt_rows, r, dora, c, c1, y + i * ldy, y_out + i * ldy);
+    ExpandScalar<R>(v + i * e.ldv, e.bt, e.r, dora, e.dora_scale, c, c1, y + i * ldy,
+                    y_out + i * ldy);
 }
 
 // Bytes of B^T rows kept hot while the rows of y stream by (most of a 48 KiB L1).
 constexpr int64_t kExpandPanelBytes = 32 << 10;
 
-// Columns [c0, c1) of the item's n rows (v [n, r], y and y_out at the item's first row).
+// Columns [c0, c1) of the item's n rows (e.v, y and y_out at the item's first row).
 template <typename V, typename R>
-ORT_LORA_INLINE void ExpandPanel(const float* v, int64_t n, const SgmvSegment& s, int64_t c0,
-                                 int64_t c1, const float* y, float* y_out, int64_t ldy) {
-  const int64_t r = s.rank;
+ORT_LORA_INLINE void ExpandPanel(const ExpandRowsOf& e, int64_t n, int64_t c0, int64_t c1,
+                                 const float* y, float* y_out, int64_t ldy) {
+  const int64_t ldv = e.ldv;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4)
-    ExpandRows<V, R, 4>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+    ExpandRows<V, R, 4>(e, e.v + t * ldv, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
   if (t + 2 <= n) {  // 2 rows share each load (and widening) of B^T
-    ExpandRows<V, R, 2>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+    ExpandRows<V, R, 2>(e, e.v + t * ldv, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
     t += 2;
   }
-  if (t < n) ExpandRows<V, R, 1>(v + t * r, s, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
+  if (t < n) ExpandRows<V, R, 1>(e, e.v + t * ldv, c0, c1, y + t * ldy, y_out + t * ldy, ldy);
 }
 
 template <typename V, typename R>
 ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const SgmvCpuItem& it = plan.expand[index];
-  const SgmvProblem& p = *plan.p;
-  const int64_t ldy = p.out_features;
-  const float* y = p.y + it.row0 * ldy;
-  float* y_out = p.y_out + it.row0 * ldy;
+  const SgmvOutput& o = plan.p->outputs[it.module];
+  const int64_t ldy = o.features;
+  const float* y = o.y + it.row0 * ldy;
+  float* y_out = o.y_out + it.row0 * ldy;
   const int64_t n = it.row1 - it.row0;
   if (it.seg < 0) {
     if (y != y_out) std::copy(y, y + n * ldy, y_out);  // a caller may update y in place
     return;
   }
   const SgmvSegment& s = plan.segs[it.seg];
-  const float* v = plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank;
+  const int64_t j0 = s.first[it.module];
+  const void* dora = s.dora[it.module];
+  const ExpandRowsOf e{plan.v.data() + plan.v_base[it.seg] + (it.row0 - s.row_begin) * s.rank + j0,
+                       s.rank,
+                       s.bt_rows + j0,
+                       s.first[it.module + 1] - j0,
+                       dora == nullptr ? nullptr : Values<R>(dora),
+                       dora == nullptr ? 1.0f : Scale<R>(dora)};
   // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
   // sized to stay in L1, is reused by every row of the item.
-  const int64_t panel_cols = kExpandPanelBytes / (sizeof(R) * s.rank);
+  const int64_t panel_cols = kExpandPanelBytes / (sizeof(R) * e.r);
   const int64_t panel = std::max<int64_t>(4 * kLanes, panel_cols / (4 * kLanes) * 4 * kLanes);
-  if (sizeof(R) == 1 && n < kWidenMinRows) {  // as in the shrink: the item's B^T columns
-    for (int64_t j = 0; j < s.rank; ++j)
-      PrefetchBytes(static_cast<const R*>(s.bt_rows[j]) + it.lo, (it.hi - it.lo) * sizeof(R));
-  }
   for (int64_t c0 = it.lo; c0 < it.hi; c0 += panel) {
     const int64_t c1 = std::min(c0 + panel, it.hi);
-    ExpandPanel<V, R>(v, n, s, c0, c1, y, y_out, ldy);
+    ExpandPanel<V, R>(e, n, c0, c1, y, y_out, ldy);
   }
 }
 
@@ -433,11 +489,20 @@ void RunPass(size_t items, int64_t cost, const ParallelFor& parallel_for, const 
   }
 }
 
+// The calling thread's plan, reused call after call: its vectors keep their capacity, so a
+// decode step's calls allocate nothing. Pool threads run items of it (by reference) while the
+// calling thread waits.
+SgmvCpuPlan& CallerPlan() {
+  thread_local SgmvCpuPlan plan;
+  return plan;
+}
+
 }  // namespace
 
 void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
-  SgmvCpuPlan plan = PlanSgmvCpu(problem);
+  SgmvCpuPlan& plan = CallerPlan();
+  PlanSgmvCpu(problem, plan);
   const PassFns& fns = problem.row_type == SgmvRowLayout::kBFloat16Pairs ? kernels.bf16
                        : problem.row_type == SgmvRowLayout::kInt8Scaled  ? kernels.i8
                                                                          : kernels.f32;
@@ -446,14 +511,15 @@ void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   if (plan.fused.empty()) {
     RunPass(plan.shrink.size(), plan.shrink_cost, parallel_for, pass(fns.shrink));
     RunPass(plan.expand.size(), plan.expand_cost, parallel_for, pass(fns.expand));
-    return;
+  } else {
+    RunPass(plan.fused.size(), plan.shrink_cost + plan.expand_cost, parallel_for,
+            [&plan, &fns](size_t i) {
+              const SgmvCpuGroup& g = plan.fused[i];
+              for (int64_t k = g.shrink_begin; k < g.shrink_end; ++k) fns.shrink(plan, k);
+              for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
+            });
   }
-  RunPass(plan.fused.size(), plan.shrink_cost + plan.expand_cost, parallel_for,
-          [&plan, &fns](size_t i) {
-            const SgmvCpuGroup& g = plan.fused[i];
-            if (g.shrink >= 0) fns.shrink(plan, g.shrink);
-            for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
-          });
+  plan.wide_storage.reset();  // prefill's scratch is not kept between calls
 }
 
 }  // namespace ort_lora

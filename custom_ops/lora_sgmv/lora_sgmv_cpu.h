@@ -1,20 +1,26 @@
-// LoraSGMV CPU kernel launcher (float32 x and y; adapter rows float32 or bfloat16). No ONNX
-// Runtime types: the op (lora_sgmv_op.cc) validates the inputs, resolves pool offsets to row
-// pointers and calls LoraSgmvCpu.
+// LoraSGMV CPU kernel launcher (float32 x and y; adapter rows float32, bfloat16 or int8). No
+// ONNX Runtime types: the op (lora_sgmv_op.cc) validates the inputs, resolves pool offsets to
+// row pointers and calls LoraSgmvCpu.
 //
 // Punica-style split in two passes over balanced work items:
-//   shrink  v[t, j]    = scale_j * x[t] . A_j              [n, r] per segment
-//   expand  y_out[t]   = y[t] + sum_j v[t, j] Bt_j          (rows of inactive segments: copy)
-//           DoRA:  y_out[t] *= 1 + D                        (D: the segment's DoRA row)
-// A composed segment is one segment whose rows are its adapters' rows back to back, each A row
-// with its own adapter's scale * weight.
+//   shrink  v[t, j]    = scale_j * x[t] . A_j              [n, R] per segment
+//   expand  y_out_m[t] = y_m[t] + sum_{j of m} v[t, j] Bt_j   per module m (rows a module
+//                                                         leaves as y: copied, if y_out_m is
+//                                                         another buffer)
+//           DoRA:  y_out_m[t] *= 1 + D_m                  (D_m: the segment's DoRA row in m)
+// A call may serve several modules that read the same x (q/k/v): a segment's A rows are all
+// of its modules' rows, so the shrink reads x once for all of them. A composed segment is one
+// segment whose rows are its adapters' rows back to back, each A row with its own adapter's
+// scale * weight. Decode calls run shrink and expand as one pass of per-segment groups.
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
 // (tests use it to run the narrower kernels). Each clone exists for float32, bfloat16 and int8
 // rows; bfloat16 and int8 rows are widened to float32 as they are loaded (int8: the rows'
-// scales folded into the shrink scale, v[t, j] = scale_j * sA_j * sB_j * x[t] . qA_j), or, for
-// segments of 8+ rows (prefill), once per call into aligned scratch (lora_sgmv_plan.h).
-// Accumulation: float32.
+// scales folded into the shrink scale, v[t, j] = scale_j * sA_j * sB_j * x[t] . qA_j, and a
+// DoRA row's scale applied as D is loaded), or, for segments of 8+ rows (prefill), once per
+// call into aligned scratch (lora_sgmv_plan.h). Accumulation: float32. Rows are read with the
+// hardware prefetchers only: software prefetches of a decode segment's scattered rows filled
+// the line fill buffers and cost 20 % of an int8 call.
 #pragma once
 
 #include "common/parallel_for.h"

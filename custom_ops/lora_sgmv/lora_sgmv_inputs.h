@@ -131,6 +131,100 @@ inline LoraSgmvInputs ReadLoraSgmvInputs(const Ort::KernelContext& ctx,
   return in;
 }
 
+// LoraSGMV with attribute modules = M > 1 (the CPU op): one call for M modules that read the
+// same x. Inputs 0..13 above are module 0's and the shared ones; module m = 1 .. M-1 adds
+// y_m, a_offsets_m, b_offsets_m, ranks_m, scales_m and dora_offsets_m (optional) at
+// kNumLoraSgmvInputs + kNumModuleInputs (m - 1) + LoraSgmvModuleInput, and writes output m.
+enum LoraSgmvModuleInput : size_t {
+  kModuleY,
+  kModuleAOffsets,
+  kModuleBOffsets,
+  kModuleRanks,
+  kModuleScales,
+  kModuleDoraOffsets,
+  kNumModuleInputs
+};
+
+inline size_t LoraSgmvModuleInputIndex(size_t module, LoraSgmvModuleInput k) {
+  return kNumLoraSgmvInputs + (module - 1) * kNumModuleInputs + k;
+}
+
+// The inputs every provider's LoraSGMV declares: modules 1 .. kSgmvMaxModules - 1's too (ORT
+// refuses two ops of one name with different input counts), all of them optional.
+constexpr size_t kNumLoraSgmvModulesInputs =
+    kNumLoraSgmvInputs + (kSgmvMaxModules - 1) * kNumModuleInputs;
+
+// Whether input `index` is a module's y (module 0's or a further module's).
+inline bool IsLoraSgmvY(size_t index) {
+  return index == kY || (index >= kNumLoraSgmvInputs &&
+                         (index - kNumLoraSgmvInputs) % kNumModuleInputs == kModuleY);
+}
+
+// The element type of input `index` of the op with modules (`t` as in LoraSgmvInputType).
+inline ONNXTensorElementDataType LoraSgmvModulesInputType(size_t index,
+                                                          ONNXTensorElementDataType t) {
+  if (index < kNumLoraSgmvInputs) return LoraSgmvInputType(index, t);
+  switch ((index - kNumLoraSgmvInputs) % kNumModuleInputs) {
+    case kModuleY:
+      return t;
+    case kModuleAOffsets:
+    case kModuleBOffsets:
+    case kModuleDoraOffsets:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case kModuleRanks:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    default:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+}
+
+// `in` with module 0's inputs (y, a_offsets, b_offsets, ranks, scales, dora_offsets) replaced
+// by module m's (m >= 1), checked as ReadLoraSgmvInputs checks module 0's; errors name them
+// <name>_m. `in` must come from ReadLoraSgmvInputs.
+inline LoraSgmvInputs ReadLoraSgmvModuleInputs(const Ort::KernelContext& ctx,
+                                               const LoraSgmvInputs& in, size_t m,
+                                               ONNXTensorElementDataType t) {
+  constexpr auto kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  constexpr auto kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  constexpr auto kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  auto input = [&](LoraSgmvModuleInput k) {
+    return GetOptionalInput(ctx, LoraSgmvModuleInputIndex(m, k));
+  };
+  // The inputs' names in errors, by module (no string is built per call).
+  static constexpr const char* kNames[kSgmvMaxModules][kNumModuleInputs] = {
+      {},
+      {"y_1", "a_offsets_1", "b_offsets_1", "ranks_1", "scales_1", "dora_offsets_1"},
+      {"y_2", "a_offsets_2", "b_offsets_2", "ranks_2", "scales_2", "dora_offsets_2"}};
+  static_assert(kSgmvMaxModules == 3, "kNames lists modules 1 and 2");
+  const char* const* names = kNames[m];
+  const char *y = names[kModuleY], *a = names[kModuleAOffsets], *b = names[kModuleBOffsets],
+             *ranks = names[kModuleRanks], *scales = names[kModuleScales],
+             *dora = names[kModuleDoraOffsets];
+  LoraSgmvInputs out = in;
+  out.y = input(kModuleY), out.a_offsets = input(kModuleAOffsets);
+  out.b_offsets = input(kModuleBOffsets), out.ranks = input(kModuleRanks);
+  out.scales = input(kModuleScales), out.dora_offsets = input(kModuleDoraOffsets);
+  Expect(out.y, y, 2, t);
+  Expect(out.a_offsets, a, 2, kInt64);
+  Expect(out.b_offsets, b, 2, kInt64);
+  Expect(out.ranks, ranks, 2, kInt32);
+  Expect(out.scales, scales, 2, kFloat);
+  ExpectDim(out.y, y, 0, in.x.shape[0], "T, the rows of x");
+  ExpectDim(out.a_offsets, a, 0, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(out.b_offsets, b, 0, out.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(out.b_offsets, b, 1, out.a_offsets.shape[1], "max_rank, as its a_offsets");
+  ExpectDim(out.ranks, ranks, 1, in.a_offsets.shape[0], "num_slots, as a_offsets");
+  ExpectDim(out.scales, scales, 0, out.ranks.shape[0], "num_layers, as its ranks");
+  ExpectDim(out.scales, scales, 1, out.ranks.shape[1], "num_slots, as its ranks");
+  if (out.dora_offsets.present) {
+    Expect(out.dora_offsets, dora, 1, kInt64);
+    if (out.dora_offsets.shape[0] != 0)
+      ExpectDim(out.dora_offsets, dora, 0, in.a_offsets.shape[0],
+                "num_slots, as a_offsets, or 0: no DoRA rows");
+  }
+  return out;
+}
+
 template <typename T>
 const T* DataOrNull(const InputView& v) {
   return v.present && v.shape[0] > 0 ? v.value.GetTensorData<T>() : nullptr;

@@ -1,5 +1,7 @@
 #include "lora_sgmv/lora_sgmv_op.h"
 
+#include <algorithm>
+
 #include "lora_sgmv/lora_sgmv_cpu.h"
 #include "lora_sgmv/lora_sgmv_inputs.h"
 
@@ -10,38 +12,150 @@ namespace {
 constexpr int64_t kMaxRank = 512;
 constexpr SgmvRankLimit kRankLimit{kMaxRank, "a rank over the limit"};
 
-// The kernel's segments: the active ones of a checked call. A segment's A and B^T row pointers
-// are its terms' rows back to back (rank = the sum of its terms' ranks), each A row with its
-// term's scale * weight; `rows` and `scales` hold them and must outlive the problem.
-void AddSegments(const SgmvCheckedCall& call, std::vector<const void*>& rows,
-                 std::vector<float>& scales, SgmvProblem& problem) {
-  size_t total = 0;
-  for (const SgmvActiveSegment& a : call.segments) total += a.rank;
-  rows.resize(2 * total), scales.resize(total);
-  size_t at = 0;
-  for (const SgmvActiveSegment& a : call.segments) {
-    const void** a_rows = rows.data() + 2 * at;
-    const void** bt_rows = a_rows + a.rank;
-    float* row_scales = scales.data() + at;
-    for (int64_t i = a.first_term, j = 0; i < a.first_term + a.num_terms; ++i) {
-      const SgmvActiveTerm& t = call.terms[i];
-      const void* const* slot_rows = call.rows.data() + t.rows;
-      for (int64_t k = 0; k < t.rank; ++k, ++j) {
-        a_rows[j] = slot_rows[k], bt_rows[j] = slot_rows[t.rank + k], row_scales[j] = t.scale;
-      }
+// Input index of module m's y (module 0: input 0).
+size_t ModuleYInput(size_t m) { return m == 0 ? kY : LoraSgmvModuleInputIndex(m, kModuleY); }
+
+// What one call works with, kept by the calling thread from call to call so that the vectors
+// keep their capacity (a decode step's calls then allocate nothing here).
+struct CallScratch {
+  SgmvTerms terms[kSgmvMaxModules];
+  SgmvCheckedCall calls[kSgmvMaxModules];
+  std::vector<const void*> rows;  // the problem's segments point into rows and scales
+  std::vector<float> scales;
+  SgmvProblem problem;
+};
+
+CallScratch& CallerScratch() {
+  thread_local CallScratch scratch;
+  return scratch;
+}
+
+// The active segments of every module, merged by segment (each call's are in segment order):
+// the next segment active in some module, as each module's index of it in its call's segments
+// (-1: not active there) in `at`; false when none is left.
+bool NextSegment(const SgmvCheckedCall* calls, int modules, size_t* next, int64_t* at) {
+  int64_t seg = -1;
+  for (int m = 0; m < modules; ++m)
+    if (next[m] < calls[m].segments.size()) {
+      const int64_t s = calls[m].segments[next[m]].seg;
+      seg = seg < 0 ? s : std::min(seg, s);
     }
-    problem.segments.push_back(
-        {a.row_begin, a.row_end, a.rank, row_scales, a_rows, bt_rows, a.dora});
-    at += a.rank;
+  if (seg < 0) return false;
+  for (int m = 0; m < modules; ++m) {
+    const bool here = next[m] < calls[m].segments.size() && calls[m].segments[next[m]].seg == seg;
+    at[m] = here ? static_cast<int64_t>(next[m]++) : -1;
+  }
+  return true;
+}
+
+// Writes a module's part of one segment: its terms' A and B^T row pointers (at a_rows[j],
+// bt_rows[j] from j on) and A row scales.
+void AddModuleRows(const SgmvCheckedCall& call, const SgmvActiveSegment& a, int64_t j,
+                   const void** a_rows, const void** bt_rows, float* scales) {
+  for (int64_t i = a.first_term; i < a.first_term + a.num_terms; ++i) {
+    const SgmvActiveTerm& t = call.terms[i];
+    const void* const* slot_rows = call.rows.data() + t.rows;
+    for (int64_t k = 0; k < t.rank; ++k, ++j)
+      a_rows[j] = slot_rows[k], bt_rows[j] = slot_rows[t.rank + k], scales[j] = t.scale;
   }
 }
 
+// The kernel's segments: the active ones of every module's checked call, merged. A segment's
+// A and B^T row pointers are its modules' rows, module after module, each module's its terms'
+// back to back (rank = the sum of its terms' ranks), each A row with its term's scale * weight.
+void AddSegments(const SgmvCheckedCall* calls, int modules, CallScratch& sc) {
+  size_t total = 0;
+  for (int m = 0; m < modules; ++m)
+    for (const SgmvActiveSegment& a : calls[m].segments) total += a.rank;
+  sc.rows.resize(2 * total), sc.scales.resize(total);
+  SgmvProblem& problem = sc.problem;
+  problem.segments.clear();
+  size_t next[kSgmvMaxModules] = {}, used = 0;
+  int64_t at[kSgmvMaxModules];
+  while (NextSegment(calls, modules, next, at)) {
+    SgmvSegment seg{};
+    for (int m = 0; m < modules; ++m) {
+      seg.first[m + 1] = seg.first[m];
+      if (at[m] < 0) continue;
+      const SgmvActiveSegment& a = calls[m].segments[at[m]];
+      seg.row_begin = a.row_begin, seg.row_end = a.row_end, seg.dora[m] = a.dora;
+      seg.first[m + 1] += a.rank;
+    }
+    seg.rank = seg.first[modules];
+    const void** a_rows = sc.rows.data() + 2 * used;
+    const void** bt_rows = a_rows + seg.rank;
+    float* scales = sc.scales.data() + used;
+    for (int m = 0; m < modules; ++m)
+      if (at[m] >= 0)
+        AddModuleRows(calls[m], calls[m].segments[at[m]], seg.first[m], a_rows, bt_rows, scales);
+    seg.a_rows = a_rows, seg.bt_rows = bt_rows, seg.scales = scales;
+    problem.segments.push_back(seg);
+    used += seg.rank;
+  }
+}
+
+// Checks module m's tables (in: its inputs, as ReadLoraSgmvModuleInputs gives them) and
+// resolves its rows into sc.calls[m]; errors of modules m >= 1 name the module.
+void CheckModule(const LoraSgmvInputs& in, int64_t layer, SgmvRowLayout rows, int m,
+                 CallScratch& sc) {
+  try {
+    const SgmvMetadata meta = ReadSgmvMetadata(in, layer);
+    CheckSgmvLayer(meta);
+    ListSgmvTerms(meta, sc.terms[m]);
+    CheckSgmvSegments(meta, sc.terms[m], ReadSgmvPool(in, sizeof(float), rows), kRankLimit,
+                      sc.calls[m]);
+  } catch (const InputError& e) {
+    if (m == 0) throw;
+    Fail("module ", m, ": ", e.what());
+  }
+}
+
+// Output m has y_m's type and shape (when ORT knows each of y_m's dims; otherwise it stays
+// unknown, never an error: the kernel's own checks report bad inputs at run time). The schema
+// is shared with the CUDA op, whose y is float16 or bfloat16.
+OrtStatusPtr InferOutputs(const OrtCustomOp*, OrtShapeInferContext* c) {
+  const OrtApi& api = Ort::GetApi();
+  Ort::ShapeInferContext ctx(&api, c);
+  for (size_t m = 0; m < kSgmvMaxModules; ++m) {
+    try {
+      const size_t y = ModuleYInput(m);
+      if (ctx.GetInputCount() <= y || !FullyKnown(ctx.GetInputShape(y))) continue;
+      OrtTensorTypeAndShapeInfo* input = nullptr;  // owned by ctx
+      Ort::ThrowOnError(api.ShapeInferContext_GetInputTypeShape(c, y, &input));
+      ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      Ort::ThrowOnError(api.GetTensorElementType(input, &type));
+      SetInferredShape(c, m, ctx.GetInputShape(y), type);
+    } catch (const std::exception&) {  // an absent input or output: nothing to infer
+    }
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+LoraSgmvOp::LoraSgmvOp() {
+  GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+    *input_index = new int[kSgmvMaxModules];
+    *output_index = new int[kSgmvMaxModules];
+    for (int m = 0; m < kSgmvMaxModules; ++m)
+      (*input_index)[m] = static_cast<int>(ModuleYInput(m)), (*output_index)[m] = m;
+    return kSgmvMaxModules;
+  };
+  ReleaseMayInplace = [](int* input_index, int* output_index) {
+    delete[] input_index;
+    delete[] output_index;
+  };
+  InferOutputShapeFn = InferOutputs;
+}
 
 LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo ki(info);
   layer_ = ki.GetAttribute<int64_t>("layer");
   if (layer_ < 0) Fail("attribute 'layer' must be >= 0, got ", layer_);
+  const int64_t modules = AttrOr<int64_t>(ki, "modules", 1);
+  if (modules < 1 || modules > kSgmvMaxModules)
+    Fail("attribute 'modules' must be in [1, ", kSgmvMaxModules, "], got ", modules);
+  modules_ = static_cast<int>(modules);
   const int64_t dtype = ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   switch (dtype) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
@@ -66,23 +180,31 @@ OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
 
 void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
+  const size_t inputs = LoraSgmvModuleInputIndex(modules_, kModuleY);  // past the last module's
+  if (ctx.GetInputCount() > inputs || ctx.GetOutputCount() != static_cast<size_t>(modules_))
+    Fail("the node has ", ctx.GetInputCount(), " inputs and ", ctx.GetOutputCount(),
+         " outputs; attribute 'modules' = ", modules_, " takes at most ", inputs, " inputs and ",
+         modules_, " outputs");
+  CallScratch& sc = CallerScratch();
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  const SgmvMetadata meta = ReadSgmvMetadata(in, layer_);
-  CheckSgmvLayer(meta);
-  const SgmvCheckedCall call = CheckSgmvSegments(
-      meta, ListSgmvTerms(meta), ReadSgmvPool(in, sizeof(float), rows_), kRankLimit);
-  SgmvProblem problem{in.x.value.GetTensorData<float>(),
-                      in.y.value.GetTensorData<float>(),
-                      nullptr,
-                      meta.num_rows,
-                      meta.in_features,
-                      meta.out_features,
-                      rows_,
-                      {}};
-  std::vector<const void*> rows;  // problem.segments point into rows and scales
-  std::vector<float> scales;
-  AddSegments(call, rows, scales, problem);
-  problem.y_out = ctx.GetOutput(0, in.y.shape).GetTensorMutableData<float>();
+  SgmvProblem& problem = sc.problem;
+  problem.x = in.x.value.GetTensorData<float>();
+  problem.num_rows = in.x.shape[0];
+  problem.in_features = in.x.shape[1];
+  problem.num_outputs = modules_;
+  problem.row_type = rows_;
+  for (int m = 0; m < modules_; ++m) {
+    LoraSgmvInputs further;
+    const LoraSgmvInputs& mod =
+        m == 0 ? in : (further = ReadLoraSgmvModuleInputs(ctx, in, m, in.x.type));
+    CheckModule(mod, layer_, rows_, m, sc);
+    problem.outputs[m] = {mod.y.value.GetTensorData<float>(), nullptr, mod.y.shape[1]};
+  }
+  AddSegments(sc.calls, modules_, sc);
+  for (int m = 0; m < modules_; ++m) {
+    const std::vector<int64_t> shape{problem.num_rows, problem.outputs[m].features};
+    problem.outputs[m].y_out = ctx.GetOutput(m, shape).GetTensorMutableData<float>();
+  }
   LoraSgmvCpu(problem, OrtParallelFor(ctx));
 }
 

@@ -38,8 +38,23 @@
 //  12 comp_weights float [E]   optional: its weight, finite
 //  13 dora_offsets int64 [num_slots] or [0]   optional: pool element of the slot's DoRA row
 //                                             D [out], -1 = none; [0] or absent: no DoRA
+//  Modules (attribute modules = M, 1 to 3; default 1): one call serves M modules that read the
+//  same x (q/k/v, gate/up). Inputs 0..13 above are module 0's and the shared ones (x, the
+//  caches, the segments, the composition entries); each further module m = 1 .. M-1 adds
+//  14 + 6 (m - 1) + 0 y_m            float [T, out_m]
+//                 + 1 a_offsets_m    int64 [num_slots, max_rank_m]
+//                 + 2 b_offsets_m    int64 [num_slots, max_rank_m]
+//                 + 3 ranks_m        int32 [num_layers_m, num_slots]
+//                 + 4 scales_m       float [num_layers_m, num_slots]
+//                 + 5 dora_offsets_m int64 [num_slots] or [0]   optional, as dora_offsets
+//  and output m, y_out_m float [T, out_m] (may be y_m's buffer). Output m is exactly what a
+//  one-module call with module m's y, tables and dora_offsets, and the shared inputs, gives
+//  (ort_lora/ops/lora_sgmv_ref.py::lora_sgmv_modules): the call only shares the work, one
+//  shrink of x against every module's A rows, and the fixed cost. A bad input of module m >= 1
+//  is named <name>_m, a bad value in its tables "module m: ...".
 // Attributes:
-//   layer (int) selects the row of ranks and scales.
+//   layer (int) selects the row of ranks and scales (of every module).
+//   modules (int, optional, 1 to 3; default 1): the number of modules, and of outputs.
 //   adapter_dtype (int, optional; an ONNX TensorProto element type) is the type of the rows:
 //     absent or 1 (FLOAT): A_j, Bt_j and D are float32 pool elements, as above.
 //     16 (BFLOAT16): rows are bfloat16 packed two per float32 pool element. The row at pool
@@ -63,6 +78,7 @@
 #include "common/ort_common.h"
 #include "lora_sgmv/lora_sgmv_checks.h"
 #include "lora_sgmv/lora_sgmv_inputs.h"
+#include "lora_sgmv/lora_sgmv_types.h"
 
 namespace ort_lora {
 
@@ -73,25 +89,30 @@ struct LoraSgmvKernel {
  private:
   void Compute(OrtKernelContext* context);
   int64_t layer_;
+  int modules_;         // attribute modules: outputs of the node
   SgmvRowLayout rows_;  // attribute adapter_dtype: 1 float32, 16 bfloat16, 3 int8 rows
 };
 
 struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {
-  // y_out may reuse y's buffer (the projection's output, read by nothing else): then rows
+  // y_out_m may reuse y_m's buffer (the projection's output, read by nothing else): then rows
   // without an adapter cost nothing (no y -> y_out copy), and the others are updated in place.
-  LoraSgmvOp() { MayWriteOutputOverInput<kY>(*this); }
+  LoraSgmvOp();
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  // Inputs and output as lora_sgmv_inputs.h describes them for every provider, T = float32.
-  size_t GetInputTypeCount() const { return kNumLoraSgmvInputs; }
+  // Inputs and output as lora_sgmv_inputs.h describes them, T = float32: every provider's 14,
+  // then modules 1 and 2's (all optional).
+  size_t GetInputTypeCount() const { return kNumLoraSgmvModulesInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return LoraSgmvInputType(index, kElementType);
+    return LoraSgmvModulesInputType(index, kElementType);
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return LoraSgmvInputCharacteristic(index);
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return kSgmvMaxModules; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
   ONNXTensorElementDataType GetOutputType(size_t) const { return kElementType; }
 
  private:

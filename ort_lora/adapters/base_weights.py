@@ -4,7 +4,8 @@ model a second time.
 `ExportedWeights(model_dir).rows(layer, module, start, stop)` returns rows [start, stop) of the
 weight W [out, in] that the graph's base projection of (layer, module) multiplies by
 (y = x @ W^T). It reads model.onnx's graph once (protobuf only: initializers stay in the
-external data file) and finds, for each LoraSGMV node, the node producing its input y:
+external data file) and finds, for each module of each LoraSGMV node (a node may serve several
+modules that read one x: its attribute modules), the node producing the module's input y:
   MatMul(x, W^T)                        W^T an initializer [in, out]: float32, float16 or
                                         bfloat16, memory-mapped from the external data file
   com.microsoft.MatMulNBits(x, B, scales[, zero_points])
@@ -166,6 +167,17 @@ class ExportedWeights:
             return self._sources
 
 
+def _module_inputs(inputs, modules: int) -> list[tuple[str, str]]:
+    """(y, a_offsets) of each module of a LoraSGMV node: module 0's are inputs 0 and 6, module
+    m >= 1's inputs 14 + 6 (m - 1) and the one after (the op's attribute modules)."""
+    pairs = [(inputs[0], inputs[6])]
+    for m in range(1, modules):
+        at = 14 + 6 * (m - 1)
+        if at + 1 < len(inputs):
+            pairs.append((inputs[at], inputs[at + 1]))
+    return pairs
+
+
 class _GraphIndex:
     """One pass over model.onnx (external data left on disk): each LoraSGMV node's weights."""
 
@@ -191,10 +203,11 @@ class _GraphIndex:
         for node in self.nodes:
             if node.op_type != "LoraSGMV" or node.domain != OPS_DOMAIN or len(node.input) < 7:
                 continue
-            match = _A_OFFSETS.fullmatch(node.input[6])
-            layer = next((a.i for a in node.attribute if a.name == "layer"), None)
-            if match and layer is not None:
-                out[layer, match["module"]] = self._source(node.input[0])
+            attrs = {a.name: a.i for a in node.attribute}
+            for y, a_offsets in _module_inputs(node.input, attrs.get("modules", 1)):
+                match = _A_OFFSETS.fullmatch(a_offsets)
+                if match and "layer" in attrs:
+                    out[attrs["layer"], match["module"]] = self._source(y)
         return out
 
     def _source(self, y: str) -> _Dense | _NBits | _Tiled | _Rows | str:

@@ -2,14 +2,17 @@
 
 Runs one saved ort-lora spec (docs/bench/specs/NN-*.json) with ONNX Runtime's profiler on and
 prints the time per op type (MatMul, LoraSGMV, PagedAttention, ...) over the measured steps,
-next to the engine's host time (schedule, inputs, postprocess). Saves ORT's trace JSON and a
-summary JSON in OUT_DIR (default: the spec's directory).
+next to the engine's host time (schedule, inputs, postprocess), and each LoraSGMV node's time
+per call (the median over the run, one row for the same node of every layer). Saves ORT's
+trace JSON and a summary JSON in OUT_DIR (default: the spec's directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +27,22 @@ def op_times(trace: list[dict]) -> dict[str, float]:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             per_op[event["args"].get("op_name", "?")] += event["dur"] / 1e6
     return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
+
+
+def node_calls(trace: list[dict], op: str) -> dict[str, dict]:
+    """Per node of op type `op`, its layer index taken out of the name (one row for all
+    layers' q/k/v nodes, say): calls, median and mean microseconds per call."""
+    per_node: dict[str, list[float]] = defaultdict(list)
+    for event in trace:
+        if event.get("cat") != "Node" or event["args"].get("op_name") != op:
+            continue
+        if event["name"].endswith("_kernel_time"):
+            name = re.sub(r"layers\.\d+", "layers.*", event["name"][: -len("_kernel_time")])
+            per_node[name].append(event["dur"])
+    return {
+        name: {"calls": len(d), "median_us": statistics.median(d), "mean_us": statistics.mean(d)}
+        for name, d in sorted(per_node.items())
+    }
 
 
 def profile(spec: RunSpec, out_dir: Path) -> dict:
@@ -47,8 +66,10 @@ def profile(spec: RunSpec, out_dir: Path) -> dict:
     ort_lora_engine.build_engine = lambda s, w: engines.append(build(s, w)) or engines[-1]
     times, extra = ort_lora_engine.run(spec, spec.load)
     trace_path = Path(engines[0].runner.session.ort_session.end_profiling())
-    ops = op_times(json.loads(trace_path.read_text()))
-    return {"label": spec.label, "trace": str(trace_path), "op_s": ops, "extra": extra}
+    trace = json.loads(trace_path.read_text())
+    ops, lora = op_times(trace), node_calls(trace, "LoraSGMV")
+    return {"label": spec.label, "trace": str(trace_path), "op_s": ops, "lora_nodes": lora,
+            "extra": extra}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{summary['label']}: ORT kernel time {total:.2f} s (warm-up steps included)")
     for op, s in list(summary["op_s"].items())[:12]:
         print(f"  {op:32s} {s:8.3f} s  {100 * s / total:5.1f} %")
+    for name, c in summary["lora_nodes"].items():
+        print(f"  {name:60s} {c['calls']:6d} calls, {c['median_us']:7.1f} us median per call")
     host = summary["extra"].get("host_ms", {})
     print("  per step at max seqs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
     (out_dir / f"{spec_path.stem}.profile.json").write_text(json.dumps(summary, indent=1))

@@ -6,13 +6,17 @@ subclasses to override a hook. Split, a reader would follow one layer's nodes, a
 the method it overrides, across files.
 
     input_ids ─ Gather(embed) [─ Mul] ─┬──────────────── residual ───────────────┐
-        └ RMSNorm ─ q/k/v MatMul ─ LoraSGMV [─ +bias] [─ q/k RMSNorm] ─ PagedAttention
-        ─ o MatMul ─ LoraSGMV [─ attention_output] ─ SkipRMSNorm(+residual) ─ gate/up MatMul
-        ─ LoraSGMV ─ act(gate)*up ─ down MatMul ─ LoraSGMV [─ mlp_output]
-        ─ (next layer's SkipRMSNorm) ...
+        └ RMSNorm ─ q/k/v MatMul ─ LoraSGMV(q, k, v) [─ +bias] [─ q/k RMSNorm]
+        ─ PagedAttention ─ o MatMul ─ LoraSGMV [─ attention_output] ─ SkipRMSNorm(+residual)
+        ─ gate/up MatMul ─ LoraSGMV(gate, up) ─ act(gate)*up ─ down MatMul ─ LoraSGMV
+        [─ mlp_output] ─ (next layer's SkipRMSNorm) ...
     last layer: Gather(logits_indices) on both the output and the residual ─ SkipRMSNorm
         ─ lm_head Gemm(transB) [─ Div(logits_scaling)] [─ Div ─ Tanh ─ Mul (soft-capping)]
         ─ logits
+
+On CPU the target modules that read one x (q/k/v, gate/up) share one LoraSGMV node (attribute
+modules: one shrink of x against all their A rows, one call's fixed cost); CUDA graphs keep a
+node per module (the CUDA op takes one).
 
 Quantized exports (`quant`, quantizer.py) replace each MatMul, the embedding Gather and the
 LM head Gemm with com.microsoft MatMulNBits / GatherBlockQuantized (quant_graph.py); the LoRA
@@ -138,28 +142,40 @@ class DecoderBuilder:
     # ---- building blocks --------------------------------------------------------------------
     def linear(self, layer: int, x: str, prefix: str, module: str) -> str:
         """y = x @ W^T (+ b), then the LoRA delta if `module` is a target.  x: [T, in]."""
-        if self.quantizer is not None:
-            return self.linears(layer, x, prefix, (module,))[0]
-        w = self.projection_weight(layer, prefix, module)  # [in, out]
-        (y,) = self.g.node("MatMul", [x, w], f"{self.module_name(layer, prefix, module)}/MatMul")
-        return self.delta_and_bias(layer, x, y, prefix, module)  # [T, out]
+        return self.linears(layer, x, prefix, (module,))[0]
 
     def linears(self, layer: int, x: str, prefix: str, modules: tuple[str, ...]) -> list[str]:
-        """linear() of each of `modules`, which read the same x. A quantized export multiplies
-        by their weights stacked as one (quant_graph.py), unless their blocks differ."""
+        """linear() of each of `modules`, which read the same x: their projections (a quantized
+        export multiplies by their weights stacked as one, quant_graph.py, unless their blocks
+        differ), the LoRA deltas of the targets among them, then their biases."""
+        ys = self.projections(layer, x, prefix, modules)  # [T, out_m] each
+        targets = [m for m in modules if m in self.targets]
+        groups = [targets] if self.device == "cpu" else [[m] for m in targets]
+        deltas = {}
+        for group in filter(None, groups):
+            name = self.module_name(layer, prefix, "+".join(group))
+            outs = self.lora(layer, x, [ys[modules.index(m)] for m in group], group, name)
+            deltas.update(zip(group, outs))
+        return [self.bias(layer, deltas.get(m, y), prefix, m) for y, m in zip(ys, modules)]
+
+    def projections(self, layer: int, x: str, prefix: str, modules: tuple[str, ...]) -> list[str]:
+        """y = x @ W^T of each of `modules` (no bias).  x: [T, in] -> [T, out_m] each."""
         if self.quantizer is None:
-            return [self.linear(layer, x, prefix, m) for m in modules]
+            ys = []
+            for m in modules:
+                w = self.projection_weight(layer, prefix, m)  # [in, out]
+                name = f"{self.module_name(layer, prefix, m)}/MatMul"
+                ys.append(self.g.node("MatMul", [x, w], name)[0])
+            return ys
         parts = [self.projection_quantized(layer, prefix, m) for m in modules]  # [out, in] blocks
         weights = [self.module_weight(layer, prefix, m) for m in modules]
         stacked = BlockQuantized.stack(parts) if len(parts) > 1 else None
         if stacked is None:  # one module, or blocks that differ: one product each
             names = [self.module_name(layer, prefix, m) for m in modules]
-            ys = [self.qgraph.matmul(x, *part) for part in zip(parts, weights, names)]
-        else:
-            name = self.module_name(layer, prefix, "+".join(modules))
-            rows = [p.shape[0] for p in parts]
-            ys = self.qgraph.stacked_matmul(x, stacked, weights, rows, name)
-        return [self.delta_and_bias(layer, x, y, prefix, m) for y, m in zip(ys, modules)]
+            return [self.qgraph.matmul(x, *part) for part in zip(parts, weights, names)]
+        name = self.module_name(layer, prefix, "+".join(modules))
+        rows = [p.shape[0] for p in parts]
+        return self.qgraph.stacked_matmul(x, stacked, weights, rows, name)
 
     @staticmethod
     def module_weight(layer: int, prefix: str, module: str) -> str:
@@ -171,35 +187,41 @@ class DecoderBuilder:
         """The graph name prefix of a linear module's nodes."""
         return f"/model/layers.{layer}/{prefix}/{module}"
 
-    def delta_and_bias(self, layer: int, x: str, y: str, prefix: str, module: str) -> str:
-        """y = x @ W^T plus the LoRA delta if `module` is a target, then its bias."""
-        name = self.module_name(layer, prefix, module)
+    def bias(self, layer: int, y: str, prefix: str, module: str) -> str:
+        """y plus the module's bias, if the checkpoint has one; after LoraSGMV: DoRA scales
+        W x + delta, not the bias."""
         bias = f"model.layers.{layer}.{prefix}.{module}.bias"
-        if module in self.targets:
-            y = self.lora(layer, x, y, module, name)  # [T, out]
-        if self.src.has(bias):  # after LoraSGMV: DoRA scales W x + delta, not the bias
-            b = self.weight(bias, (self.cfg.module_sizes()[module]["out"],))
-            (y,) = self.g.node("Add", [y, b], f"{name}/Add")
-        return y  # [T, out]
+        if not self.src.has(bias):
+            return y
+        b = self.weight(bias, (self.cfg.module_sizes()[module]["out"],))
+        name = self.module_name(layer, prefix, module)
+        return self.g.node("Add", [y, b], f"{name}/Add")[0]  # [T, out]
 
-    def lora(self, layer: int, x: str, y: str, module: str, name: str) -> str:
-        """LoraSGMV: y (= x @ W^T, no bias) plus each segment's adapter deltas, DoRA-scaled
-        for DoRA segments (contract.py).  x: [T, in], y: [T, out]."""
-        lora_inputs = [y, x, C.key_cache_name(layer), C.value_cache_name(layer)]
-        lora_inputs += [C.LORA_SEG_STARTS, C.LORA_SEG_SLOTS]
-        lora_inputs += [C.lora_input_name(module, k) for k in ("a_offsets", "b_offsets")]
-        lora_inputs += [C.lora_input_name(module, k) for k in ("ranks", "scales")]
-        lora_inputs += [C.LORA_COMP_SEGS, C.LORA_COMP_SLOTS, C.LORA_COMP_WEIGHTS]
-        lora_inputs += [C.lora_input_name(module, "dora_offsets")]
-        (y,) = self.g.node(
+    def lora(self, layer: int, x: str, ys: list[str], modules: list[str], name: str) -> list[str]:
+        """One LoraSGMV node for `modules`, which read the same x: each y (= x @ W^T, no bias)
+        plus each segment's adapter deltas, DoRA-scaled for DoRA segments (contract.py).
+        x: [T, in], ys: [T, out_m] each -> [T, out_m] each."""
+        inputs = [ys[0], x, C.key_cache_name(layer), C.value_cache_name(layer)]
+        inputs += [C.LORA_SEG_STARTS, C.LORA_SEG_SLOTS, *self.lora_tables(modules[0])[:4]]
+        inputs += [C.LORA_COMP_SEGS, C.LORA_COMP_SLOTS, C.LORA_COMP_WEIGHTS]
+        inputs += [self.lora_tables(modules[0])[4]]
+        for y, m in zip(ys[1:], modules[1:]):  # modules 1.. (attribute modules)
+            inputs += [y, *self.lora_tables(m)]
+        attrs = dict(self.lora_attrs, modules=len(modules)) if len(modules) > 1 else self.lora_attrs
+        return self.g.node(
             "LoraSGMV",
-            lora_inputs,
+            inputs,
             f"{name}/LoraSGMV",
             domain=C.OPS_DOMAIN,
+            n_out=len(modules),
             layer=layer,
-            **self.lora_attrs,
-        )
-        return y  # [T, out]
+            **attrs,
+        )  # [T, out_m] each
+
+    @staticmethod
+    def lora_tables(module: str) -> list[str]:
+        """The graph inputs of a module's LoRA tables, in LoraSGMV's per-module order."""
+        return [C.lora_input_name(module, kind) for kind in C.LORA_INPUT_KINDS]
 
     def rms_norm(self, x: str, weight: str, name: str, size: int) -> str:
         w = self.norm_weight(weight, size)

@@ -1,7 +1,8 @@
 """Numpy reference of the LoraSGMV operator, and a helper that places random adapters in a pool.
 
 `lora_sgmv` is the readable definition of the op (custom_ops/lora_sgmv/lora_sgmv_op.h) and the
-oracle its tests compare the kernel with. `place_random_adapters` lays adapters' A and B^T rows
+oracle its tests compare the kernel with; `lora_sgmv_modules` that of a node serving several
+modules that read one x (attribute modules). `place_random_adapters` lays adapters' A and B^T rows
 out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
 for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16" or
 "int8") rows of those types in the float32 pool, laid out as ort_lora/adapter_rows.py says.
@@ -131,6 +132,48 @@ def lora_sgmv(
         if dora_slots:
             y_out[t0:t1] *= 1.0 + row([dora[dora_slots[0]]], out_f, "dora_offset")  # [n, out]
     return y_out.astype(np.float32)
+
+
+@dataclass
+class ModuleTables:
+    """One module's inputs of a LoraSGMV call with several modules (attribute modules)."""
+
+    y: np.ndarray  # float [T, out_m]
+    a_offsets: np.ndarray  # int64 [num_slots, max_rank_m]
+    b_offsets: np.ndarray  # int64 [num_slots, max_rank_m]
+    ranks: np.ndarray  # int32 [num_layers, num_slots]
+    scales: np.ndarray  # float [num_layers, num_slots]
+    dora_offsets: np.ndarray | None = None  # int64 [num_slots] or [0]
+
+
+def lora_sgmv_modules(
+    modules: list[ModuleTables],
+    x: np.ndarray,  # float [T, in]
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    seg_starts: np.ndarray,  # int32 [S + 1]
+    seg_slots: np.ndarray,  # int32 [S]
+    layer: int,
+    adapter_dtype: str = "float32",
+    *,
+    comp_segs: np.ndarray | None = None,
+    comp_slots: np.ndarray | None = None,
+    comp_weights: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """[y_out_m float32 [T, out_m]]: a LoraSGMV node with attribute modules = len(modules).
+
+    Semantics: output m is lora_sgmv of module m's y, a_offsets, b_offsets, ranks, scales and
+    dora_offsets with the shared x, caches, segments and composition entries, the same layer
+    and row type. The modules read one x (q/k/v, gate/up); the node only shares the work.
+    """
+    shared = dict(x=x, key_cache=key_cache, value_cache=value_cache, seg_starts=seg_starts)
+    shared |= dict(seg_slots=seg_slots, layer=layer, adapter_dtype=adapter_dtype)
+    shared |= dict(comp_segs=comp_segs, comp_slots=comp_slots, comp_weights=comp_weights)
+    return [
+        lora_sgmv(m.y, a_offsets=m.a_offsets, b_offsets=m.b_offsets, ranks=m.ranks,
+                  scales=m.scales, dora_offsets=m.dora_offsets, **shared)
+        for m in modules
+    ]  # fmt: skip
 
 
 def segment_terms(seg_slots, comp_segs=None, comp_slots=None, comp_weights=None) -> list:

@@ -1,0 +1,331 @@
+"""LoraSGMV over one decode step of SmolLM2-135M: every layer's calls, against memory bandwidth.
+
+One ONNX graph holds the LoraSGMV calls of a decode step (30 layers x 7 modules, SmolLM2's
+shapes; each layer its own pool share, the adapters' rows at the same offsets in every layer as
+the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapter i % 16):
+
+  separate   one node per module (7 a layer), as exports before modules sharing x did
+  fused      q/k/v in one node and gate/up in one (attribute modules: 4 nodes a layer)
+  *_base     the same nodes, every row without an adapter (one segment, slot -1): the op's
+             fixed cost
+
+for each adapter row type (float32, bfloat16, int8). Per step: the time (median of paired runs,
+the variants in turn), the adapter rows' bytes read and their rate (GB/s), and that rate over
+the machine's copy bandwidth (numpy copies of a 512 MB buffer on as many threads, read + write
+bytes; the rows are read only, so 0.5 is about as fast as memory goes).
+
+Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--dtypes float32,int8]
+       [--layouts separate,fused] [--out results/bench_lora_step.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# bench_ops sets the BLAS thread count before numpy is imported
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ops import THREADS, aligned, machine_info, paired_times  # noqa: E402, I001
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+import ort_lora  # noqa: E402
+from ort_lora.adapter_rows import row_elems  # noqa: E402
+from ort_lora.ops.lora_sgmv_ref import ADAPTER_DTYPES, lora_sgmv, place_random_adapters  # noqa: E402
+
+F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+LAYERS, ROWS, ADAPTERS, RANK = 30, 32, 16, 16
+HIDDEN, INTER = 576, 1536
+# module -> (in, out); the groups that read one x
+MODULES = {
+    "q": (576, 576),
+    "k": (576, 192),
+    "v": (576, 192),
+    "o": (576, 576),
+    "gate": (576, 1536),
+    "up": (576, 1536),
+    "down": (1536, 576),
+}
+GROUPS = {
+    "separate": [[m] for m in MODULES],
+    "fused": [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]],
+}
+TABLES = ("a_offsets", "b_offsets", "ranks", "scales", "dora_offsets")
+
+
+def place(rng, dtype):
+    """One layer's pool share with every module's rows (the modules' pools concatenated
+    page-wise, offsets moved), and each module's (a_offsets, b_offsets)."""
+    placed = {
+        m: place_random_adapters(
+            rng, [RANK] * ADAPTERS, i, o, (16, 3, 64), max_gap=0, adapter_dtype=dtype
+        )
+        for m, (i, o) in MODULES.items()
+    }
+    halves = {m: p.key_cache.size for m, p in placed.items()}
+    total, before, offsets = sum(halves.values()), 0, {}
+    for m, p in placed.items():
+        moved = []
+        for table in (p.a_offsets, p.b_offsets):
+            out = table.copy()
+            out[(table >= 0) & (table < halves[m])] += before
+            out[table >= halves[m]] += total - halves[m] + before
+            moved.append(out)
+        offsets[m] = moved
+        before += halves[m]
+    key = np.concatenate([p.key_cache for p in placed.values()])
+    value = np.concatenate([p.value_cache for p in placed.values()])
+    return key, value, offsets
+
+
+def step_model(groups, dtype, layers: int = LAYERS) -> bytes:
+    """A graph of `layers` layers of LoraSGMV nodes (groups of modules sharing a node), each
+    module's y chained from layer to layer (so ORT runs every node in place)."""
+    vi = helper.make_tensor_value_info
+    inputs = [
+        vi("x_h", F32, [ROWS, HIDDEN]),
+        vi("x_i", F32, [ROWS, INTER]),
+        vi("seg_starts", I32, [None]),
+        vi("seg_slots", I32, [None]),
+        vi("comp_segs", I32, [0]),
+        vi("comp_slots", I32, [0]),
+        vi("comp_weights", F32, [0]),
+    ]
+    for m, (_, out) in MODULES.items():
+        inputs.append(vi(f"y_{m}", F32, [ROWS, out]))
+        inputs += [
+            vi(f"{t}_{m}", t_type, [None] * rank)
+            for t, t_type, rank in zip(TABLES, (I64, I64, I32, F32, I64), (2, 2, 2, 2, 1))
+        ]
+    attrs = {} if dtype == "float32" else {"adapter_dtype": ADAPTER_DTYPES[dtype]}
+    nodes, last = [], {m: f"y_{m}" for m in MODULES}
+    for layer in range(layers):
+        inputs += [
+            vi(f"key_cache.{layer}", F32, [None] * 4),
+            vi(f"value_cache.{layer}", F32, [None] * 4),
+        ]
+        for group in groups:
+            first = group[0]
+            names = [
+                last[first],
+                "x_i" if first == "down" else "x_h",
+                f"key_cache.{layer}",
+                f"value_cache.{layer}",
+                "seg_starts",
+                "seg_slots",
+                *(f"{t}_{first}" for t in TABLES[:4]),
+                "comp_segs",
+                "comp_slots",
+                "comp_weights",
+                f"dora_offsets_{first}",
+            ]
+            for m in group[1:]:
+                names += [last[m], *(f"{t}_{m}" for t in TABLES)]
+            outs = [f"y_{m}.{layer}" for m in group]
+            extra = {"modules": len(group)} if len(group) > 1 else {}
+            nodes.append(
+                helper.make_node(
+                    "LoraSGMV",
+                    names,
+                    outs,
+                    domain=ort_lora.OPS_DOMAIN,
+                    layer=layer,
+                    **attrs,
+                    **extra,
+                )
+            )
+            last.update(zip(group, outs))
+    outputs = [vi(last[m], F32, [ROWS, MODULES[m][1]]) for m in MODULES]
+    graph = helper.make_graph(nodes, "lora_step", inputs, outputs)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def step_feeds(rng, dtype) -> dict:
+    """The step's inputs: 32 rows in 16 segments of 2, request i on adapter i % 16."""
+    key, value, offsets = place(rng, dtype)
+    feeds = {
+        "x_h": aligned(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
+        "x_i": aligned(rng.standard_normal((ROWS, INTER), dtype=np.float32)),
+        "seg_starts": np.linspace(0, ROWS, ADAPTERS + 1).astype(np.int32),
+        "seg_slots": np.arange(ADAPTERS, dtype=np.int32),
+        "comp_segs": np.zeros(0, np.int32),
+        "comp_slots": np.zeros(0, np.int32),
+        "comp_weights": np.zeros(0, np.float32),
+    }
+    for m, (_, out) in MODULES.items():
+        feeds[f"y_{m}"] = aligned(rng.standard_normal((ROWS, out), dtype=np.float32))
+        feeds[f"a_offsets_{m}"], feeds[f"b_offsets_{m}"] = offsets[m]
+        feeds[f"ranks_{m}"] = np.full((LAYERS, ADAPTERS), RANK, np.int32)
+        feeds[f"scales_{m}"] = rng.uniform(0.5, 2.0, (LAYERS, ADAPTERS)).astype(np.float32)
+        feeds[f"dora_offsets_{m}"] = np.zeros(0, np.int64)
+    for layer in range(LAYERS):  # each layer its own rows (memory), at the same offsets
+        feeds[f"key_cache.{layer}"] = aligned(key)
+        feeds[f"value_cache.{layer}"] = aligned(value)
+    return feeds
+
+
+def session(groups, dtype, layers: int = LAYERS) -> ort.InferenceSession:
+    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    model = step_model(groups, dtype, layers)
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def check_one_layer(groups, dtype, feeds) -> None:
+    """Layer 0 alone, every module's output against the reference (a benchmark of a wrong
+    kernel is worth nothing)."""
+    sess = session(groups, dtype, layers=1)
+    names = {i.name for i in sess.get_inputs()}
+    got = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+    for m, out in zip(MODULES, got, strict=True):
+        tables = {t: feeds[f"{t}_{m}"] for t in TABLES}
+        x = feeds["x_i" if m == "down" else "x_h"]
+        ref = lora_sgmv(
+            feeds[f"y_{m}"],
+            x,
+            feeds["key_cache.0"],
+            feeds["value_cache.0"],
+            feeds["seg_starts"],
+            feeds["seg_slots"],
+            **tables,
+            layer=0,
+            adapter_dtype=dtype,
+        )
+        scale = float(np.abs(ref).max())
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * scale, err_msg=m)
+
+
+def step_runner(groups, dtype, feeds):
+    """A callable running the step's graph with its inputs bound (no copies)."""
+    sess = session(groups, dtype)
+    io = sess.io_binding()
+    for name, value in feeds.items():
+        io.bind_cpu_input(name, value)
+    for out in sess.get_outputs():
+        io.bind_output(out.name, "cpu")
+
+    def run():
+        sess.run_with_iobinding(io)
+
+    run.buffers = feeds  # io holds raw pointers: the arrays live as long as the runner
+    return run
+
+
+def copy_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
+    """GB/s (read + write bytes) of numpy copies of an mb MB buffer split over `threads`
+    threads (numpy releases the GIL while it copies)."""
+    src = np.ones(mb * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, src.size, threads + 1).astype(np.int64)
+
+    def copy():
+        workers = [
+            threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b]))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    copy()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copy()
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / float(np.median(times)) / 1e9
+
+
+def row_bytes_per_step(dtype: str) -> int:
+    """Adapter-row bytes one decode step reads: every adapter's A and B^T rows of every module
+    and layer (int8: each row's scale too)."""
+    per_adapter = sum(row_elems(i, dtype) + row_elems(o, dtype) for i, o in MODULES.values())
+    return 4 * per_adapter * RANK * ADAPTERS * LAYERS
+
+
+def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str]) -> dict:
+    """For each layout (GROUPS: separate, fused), the step without adapters (base) and with
+    them, all in turn within every rep."""
+    rng = np.random.default_rng(seed)
+    mixed = step_feeds(rng, dtype)
+    # every row without an adapter: one segment of slot -1
+    base = mixed | {
+        "seg_starts": np.array([0, ROWS], np.int32),
+        "seg_slots": np.full(1, -1, np.int32),
+    }
+    runs = {}
+    for layout in layouts:
+        check_one_layer(GROUPS[layout], dtype, mixed)
+        runs[f"{layout}_base"] = step_runner(GROUPS[layout], dtype, base)
+        runs[layout] = step_runner(GROUPS[layout], dtype, mixed)
+    times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
+    row_bytes = row_bytes_per_step(dtype)
+    row = {"dtype": dtype, "row_mb": row_bytes / 1e6}
+    for kind, (median, best) in zip(runs, times, strict=True):
+        row |= {f"{kind}_ms": median * 1e3, f"{kind}_min_ms": best * 1e3}
+    for layout in layouts:
+        row[f"{layout}_gbps"] = row_bytes / (row[f"{layout}_ms"] / 1e3) / 1e9
+    if len(layouts) == 2:
+        row["fused_vs_separate"] = row["separate_ms"] / row["fused_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=THREADS, help="ORT threads (and copies)")
+    parser.add_argument("--reps", type=int, default=20, help="timed steps per variant (median)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8", help="adapter row types")
+    parser.add_argument(
+        "--layouts",
+        default="separate,fused",
+        help="node layouts: separate (one node per module) and fused (modules sharing x in one "
+        "node; a library from before attribute modules runs separate only)",
+    )
+    parser.add_argument("--out", default="results/bench_lora_step.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    bandwidth = copy_bandwidth(args.threads)
+    layouts = args.layouts.split(",")
+    rows = []
+    for i, dtype in enumerate(args.dtypes.split(",")):
+        print(f"[{i + 1}] LoraSGMV decode step, {dtype} rows ...", flush=True)
+        rows.append(bench_dtype(dtype, args.reps, i, layouts))
+        for layout in layouts:
+            rows[-1][f"{layout}_vs_copy"] = rows[-1][f"{layout}_gbps"] / bandwidth
+    cols = ["dtype", "row_mb"]
+    for layout in layouts:
+        cols += [f"{layout}_base_ms", f"{layout}_ms", f"{layout}_gbps", f"{layout}_vs_copy"]
+    cols += ["fused_vs_separate"] if len(layouts) == 2 else []
+    print(
+        f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {ROWS} rows, {ADAPTERS} "
+        f"adapters of rank {RANK}); copy bandwidth {bandwidth:.1f} GB/s (read + write)"
+    )
+    width = max(len(c) for c in cols)
+    print("  ".join(f"{c:>{width}s}" for c in cols))
+    for r in rows:
+        cells = [f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]:>{width}s}"
+                 for c in cols]  # fmt: skip
+        print("  ".join(cells))
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": machine_info() | {"load_average_before": load_before},
+        "copy_gbps": bandwidth,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
