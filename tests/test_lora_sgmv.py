@@ -14,13 +14,10 @@ float32-accumulation tolerance (int8: the kernel folds the rows' scales into the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import onnxruntime as ort
 import pytest
+from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper
 
 import ort_lora
@@ -435,11 +432,7 @@ def test_a_composed_term_of_rank_0_at_the_layer(dtype, rng):
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
     cases = "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora"
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
-    env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
 
 # ---- validation: every bad input gives an error naming it -------------------------------------

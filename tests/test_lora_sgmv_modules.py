@@ -13,14 +13,11 @@ q/k/v and one for gate/up, and the CUDA export one per module.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper
 
 import ort_lora
@@ -255,11 +252,7 @@ def test_reference_is_lora_sgmv_per_module(rng):
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
     cases = "match_the_reference or widths or only_one_module or produced_by"
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
-    env = os.environ | {"ORT_LORA_SGMV_ISA": isa}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
 
 # ---- validation --------------------------------------------------------------------------------

@@ -3,12 +3,9 @@ against a dense causal attention on an unpaged layout, and a pool bound through 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from forced_isa import assert_passes_with_isa
 from paged_attention_cases import (
     ATOL,
     RTOL,
@@ -258,8 +255,4 @@ def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline copies of the kernel (forced with ORT_LORA_ATTENTION_ISA) pass
     the value tests."""
     cases = "mixed_batch or variants or sizes"
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", cases]
-    env = os.environ | {"ORT_LORA_ATTENTION_ISA": isa}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_passes_with_isa(__file__, cases, "ORT_LORA_ATTENTION_ISA", isa)
