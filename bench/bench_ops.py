@@ -11,12 +11,14 @@
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
                   MatMul, SmolLM2's projections, 30 layers' weights per run (as a decode step
-                  reads them: past the caches) -> speedup per product, and its rate
+                  reads them: past the caches), and its 8-bit LM head (symmetric, block 32,
+                  vocab 49,152 x 576, 4 copies per run) -> speedup per product, and its rate
                   against the core's int8 multiply-add roof (bench/int8_roof.cc, built with
                   the system C++ compiler: vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) for
                   the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces the AVX2 ones)
 
-Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--out results/bench_ops.json]
+Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
+                                [--out results/bench_ops.json]
 Prints a table and writes JSON (results, command line, machine). Times are medians over
 --reps runs after warm-up; ORT and numpy both use all the cores this process may run on.
 """
@@ -440,10 +442,11 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
 # ---- QuantMatMul -----------------------------------------------------------------------------
 
 
-def quant_session(kind: str, k: int, n: int, layers: int, rng) -> ort.InferenceSession:
+def quant_session(kind: str, k: int, n: int, bits: int, layers: int, rng) -> ort.InferenceSession:
     """`layers` products of x [rows, k] with distinct random [n, k] weights, one node each:
     kind "quant" (ort_lora.QuantMatMul), "nbits" (com.microsoft.MatMulNBits, accuracy_level 4;
-    weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32"."""
+    weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32".
+    bits 4: asymmetric (zero points), as the linear layers; 8: symmetric, as the LM head."""
     from onnx import numpy_helper
 
     from ort_lora.export.quant import quantize_rtn, tile_blocks
@@ -451,17 +454,18 @@ def quant_session(kind: str, k: int, n: int, layers: int, rng) -> ort.InferenceS
     nodes, inits = [], []
     for i in range(layers):
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-        q = quantize_rtn(w, 4, 32, symmetric=False)
+        q = quantize_rtn(w, bits, 32, symmetric=bits == 8)
         if kind == "f32":
             arrays, op, attrs = {"w": w.T.copy()}, "MatMul", {}
         elif kind == "nbits":
             arrays = {"b": q.codes, "s": q.scales, "z": q.packed_zero_points()}
-            op, attrs = "MatMulNBits", dict(bits=4, block_size=32, accuracy_level=4)
+            op, attrs = "MatMulNBits", dict(bits=bits, block_size=32, accuracy_level=4)
             attrs["domain"] = "com.microsoft"
         else:
             t = tile_blocks(q)
             arrays = {"b": t.codes, "s": t.scales, "z": t.zeros}
-            op, attrs = "QuantMatMul", dict(bits=4, block_size=32, domain=ort_lora.OPS_DOMAIN)
+            op, attrs = "QuantMatMul", dict(bits=bits, block_size=32, domain=ort_lora.OPS_DOMAIN)
+        arrays = {name: a for name, a in arrays.items() if a is not None}
         names = [f"{name}{i}" for name in arrays]
         inits += [numpy_helper.from_array(a, nm) for a, nm in zip(arrays.values(), names)]
         if op != "MatMul":
@@ -478,18 +482,22 @@ def quant_session(kind: str, k: int, n: int, layers: int, rng) -> ort.InferenceS
 
 
 def quant_cases(quick: bool):
-    """(name, rows, k, n): SmolLM2's stacked q/k/v, o, stacked gate/up and down projections;
-    one sequence's decode (1 row), 32 sequences' (32), a prefill chunk (512)."""
+    """(name, rows, k, n, bits, layers or None: the default): SmolLM2's stacked q/k/v, o,
+    stacked gate/up and down projections (4 bits), and its 8-bit LM head (4 copies: 113 MB of
+    codes, past the caches as in a decode step); one sequence's decode (1 row), 32 sequences'
+    (32), a prefill chunk (512)."""
     shapes = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
     for rows in (1, 32) if quick else (1, 32, 512):
         for name, k, n in shapes:
-            yield (f"{name} x{rows}", rows, k, n)
+            yield (f"{name} x{rows}", rows, k, n, 4, None)
+        yield (f"lm_head8 x{rows}", rows, 576, 49152, 8, 4)
 
 
-def bench_quant(name, rows, k, n, layers, reps, seed, clock):
+def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock):
     rng = np.random.default_rng(seed)
     x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
-    sessions = [quant_session(kind, k, n, layers, rng) for kind in ("quant", "nbits", "f32")]
+    kinds = ("quant", "nbits", "f32")
+    sessions = [quant_session(kind, k, n, bits, layers, rng) for kind in kinds]
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
     (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times]
     return {
@@ -497,6 +505,7 @@ def bench_quant(name, rows, k, n, layers, reps, seed, clock):
         "rows": rows,
         "k": k,
         "n": n,
+        "bits": bits,
         "layers": layers,
         "quant_ms": quant * 1e3,
         "nbits_ms": nbits * 1e3,
@@ -613,6 +622,12 @@ def main(argv=None) -> int:
         default=list(SECTIONS),
         help="run these sections only (default: all)",
     )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="TEXT",
+        help="run only the cases whose name contains one of these (e.g. lm_head8 'qkv x1')",
+    )
     args = parser.parse_args(argv)
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
@@ -624,6 +639,11 @@ def main(argv=None) -> int:
     dtype_cases = list(row_dtype_cases(args.quick)) if "rows" in only else []
     mixes = list(mix_cases(args.quick)) if "mixes" in only else []
     qcases = list(quant_cases(args.quick)) if "quant" in only else []
+    if args.cases:
+        cases, dtype_cases, mixes, qcases = (
+            [c for c in group if any(text in c[0] for text in args.cases)]
+            for group in (cases, dtype_cases, mixes, qcases)
+        )
     total = len(cases) + len(dtype_cases) + len(mixes) + len(qcases) + 1
     sgmv = []
     for i, case in enumerate(cases):
@@ -643,8 +663,9 @@ def main(argv=None) -> int:
     for i, case in enumerate(qcases):
         done = len(cases) + len(dtype_cases) + len(mixes) + i + 1
         print(f"[{done}/{total}] QuantMatMul / MatMulNBits / MatMul {case[0]} ...", flush=True)
-        layers = 10 if args.quick else 30
-        quant_rows.append(bench_quant(*case, layers=layers, reps=reps, seed=90 + i, clock=clock))
+        *shape, layers = case
+        layers = layers or (10 if args.quick else 30)
+        quant_rows.append(bench_quant(*shape, layers=layers, reps=reps, seed=90 + i, clock=clock))
     roof = int8_roof() if quant_rows else {}
     roof_gops = roof.get("avx512_vnni_gops" if quant_isa() == "avx512-vnni" else "avx2_gops")
     for row in quant_rows:  # per core: the roof is one core's
@@ -668,9 +689,9 @@ def main(argv=None) -> int:
     title = "LoraSGMV 576->1536 rank 16: DoRA vs plain LoRA, 2 composed adapters vs 1 and vs one"
     title += " of rank 32 (per call; ratios of medians)"
     print_table(title, mix_rows, cols)
-    cols = ["case", "rows", "k", "n", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits", "vs_f32"]
-    cols += ["quant_gops", "of_roof"]
-    title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, 4-bit block 32"
+    cols = ["case", "rows", "k", "n", "bits", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits"]
+    cols += ["vs_f32", "quant_gops", "of_roof"]
+    title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
     title += f" / QuantMatMul's; of_roof = GOPS per thread / the int8 roof: {roof})"
     print_table(title, quant_rows, cols)

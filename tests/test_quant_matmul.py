@@ -1,22 +1,27 @@
-"""QuantMatMul (domain ort_lora, CPU): a 4-bit block-quantized weight in column tiles times a
-float input quantized to int8 per block, against numpy on the same numbers (quant.py), and
+"""QuantMatMul (domain ort_lora, CPU): a 4- or 8-bit block-quantized weight in column tiles times
+a float input quantized to int8 per block, against numpy on the same numbers (quant.py), and
 against ONNX Runtime's own com.microsoft.MatMulNBits on the same weights; bad inputs."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper, numpy_helper
 
 import ort_lora
-from ort_lora.export.quant import quantize_activations, quantize_rtn, tile_blocks
+from ort_lora import quant_tiles
+from ort_lora.export.quant import (
+    pack_codes,
+    quantize_activations,
+    quantize_rtn,
+    tile_blocks,
+    untile_blocks,
+)
 
 INPUTS = ("x", "codes", "scales", "zeros", "offsets")
 # float32 rounding of sums over K of products of the int8 x and the weight, in another order
@@ -42,9 +47,9 @@ def session(present: tuple[str, ...], outputs: int = 1, **attrs):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def weights(rng, n, k, block, zeros=True, offsets=False):
+def weights(rng, n, k, block, zeros=True, offsets=False, bits=4):
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
-    q = quantize_rtn(w, 4, block, symmetric=not zeros)
+    q = quantize_rtn(w, bits, block, symmetric=not zeros)
     if offsets:
         q = dataclasses.replace(q, offsets=rng.standard_normal(q.scales.shape).astype(np.float32))
     return q
@@ -63,7 +68,7 @@ def feeds_of(q, x):
 def run(q, x):
     n, k = q.shape
     feeds = feeds_of(q, x)
-    attrs = dict(K=k, N=n, block_size=q.block_size, bits=4)
+    attrs = dict(K=k, N=n, block_size=q.block_size, bits=q.bits)
     return session(tuple(feeds), **attrs).run(None, feeds)[0]
 
 
@@ -94,8 +99,9 @@ SHAPES = [  # (rows, N, K, block): decode and prefill rows, N off the 64-column 
 
 @pytest.mark.parametrize("rows,n,k,block", SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", ["zeros", "symmetric", "offsets"])
-def test_shapes(rows, n, k, block, kind, rng):
-    q = weights(rng, n, k, block, zeros=kind != "symmetric", offsets=kind == "offsets")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_shapes(rows, n, k, block, kind, bits, rng):
+    q = weights(rng, n, k, block, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :block] = 0.0  # a block of zeros: scale 0, codes 0
     y = run(q, x)
@@ -103,21 +109,23 @@ def test_shapes(rows, n, k, block, kind, rng):
     np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "offsets"])
-def test_float_inputs_at_accuracy_level_0(kind, rng):
+@pytest.mark.parametrize("kind", ["zeros", "offsets", "symmetric"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float_inputs_at_accuracy_level_0(kind, bits, rng):
     """accuracy_level 0 (--verify's check): x as it is, times the dequantized weight."""
-    q = weights(rng, 100, 128, 32, offsets=kind == "offsets")
+    q = weights(rng, 100, 128, 32, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
     x = rng.standard_normal((5, 128)).astype(np.float32)
     feeds = feeds_of(q, x)
-    attrs = dict(K=128, N=100, block_size=32, accuracy_level=0)
+    attrs = dict(K=128, N=100, block_size=32, bits=bits, accuracy_level=0)
     y = session(tuple(feeds), **attrs).run(None, feeds)[0]
     want = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
     assert np.abs(run(q, x) - want).max() > 1e-3  # level 4 rounds x to int8: not the same
 
 
-def test_leading_dims(rng):
-    q = weights(rng, 24, 64, 32)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_leading_dims(bits, rng):
+    q = weights(rng, 24, 64, 32, bits=bits)
     x = rng.standard_normal((2, 5, 64)).astype(np.float32)
     y = run(q, x)
     assert y.shape == (2, 5, 24)
@@ -125,14 +133,15 @@ def test_leading_dims(rng):
 
 
 @pytest.mark.parametrize("splits", [[64, 192], [128, 64, 24], [64, 64, 88]])
-def test_splits_cut_y_by_columns(splits, rng):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_splits_cut_y_by_columns(splits, bits, rng):
     """With splits, output i is y's columns [sum(splits[:i]), sum(splits[:i + 1])): q/k/v's
     stacked product without a Split."""
     n, k, rows = sum(splits), 128, 11
-    q = weights(rng, n, k, 32, offsets=True)
+    q = weights(rng, n, k, 32, offsets=True, bits=bits)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     feeds = feeds_of(q, x)
-    attrs = dict(K=k, N=n, block_size=32, splits=tuple(splits))
+    attrs = dict(K=k, N=n, block_size=32, bits=bits, splits=tuple(splits))
     ys = session(tuple(feeds), outputs=len(splits), **attrs).run(None, feeds)
     starts = np.cumsum([0, *splits])
     for y, a, b in zip(ys, starts[:-1], starts[1:], strict=True):
@@ -140,17 +149,36 @@ def test_splits_cut_y_by_columns(splits, rng):
         np.testing.assert_allclose(y, expected(q, x)[:, a:b], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", ["zeros", "symmetric", "offsets"])
+def test_tiles_read_back(bits, kind, rng):
+    """The readers of an export's tiles (quant_reference.py, adapters/base_weights.py) get the
+    blocks back: untile_blocks inverts tile_blocks, quant_tiles.dequantize is W (N = 100: the
+    last tile padded)."""
+    q = weights(rng, 100, 96, 32, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
+    t = tile_blocks(q)
+    assert t.bits == bits and t.block_size == 32
+    back = untile_blocks(t, 100)
+    for field in ("codes", "scales", "zeros", "offsets"):
+        want, got = getattr(q, field), getattr(back, field)
+        assert (want is None and got is None) or np.array_equal(want, got), field
+    np.testing.assert_allclose(quant_tiles.dequantize(t, 100), q.dequantize(), rtol=1e-6, atol=1e-6)
+
+
 def test_empty_rows(rng):
     q = weights(rng, 24, 64, 32)
     assert run(q, np.zeros((0, 64), np.float32)).shape == (0, 24)
 
 
-def test_extreme_codes(rng):
-    """Codes 0 and 15 against x of +-127 after quantization: AVX2's int16 pair sums stay exact."""
-    n, k = 32, 256
-    q = weights(rng, n, k, 32)
-    codes = np.where(rng.random((n, k)) < 0.5, 0, 15).astype(np.uint8)
-    q = dataclasses.replace(q, codes=(codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, 8, 16))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
+def test_extreme_codes(bits, zeros, rng):
+    """The lowest and highest codes against x of +-127 after quantization: AVX2's int16 pair
+    sums stay exact (8 bits: code - 128 = -128 times 127, twice, is the largest pair)."""
+    n, k, top = 40, 256, 2**bits - 1
+    q = weights(rng, n, k, 32, zeros=zeros, bits=bits)
+    codes = np.where(rng.random((n, k)) < 0.5, 0, top).astype(np.uint8)
+    q = dataclasses.replace(q, codes=pack_codes(codes, bits, 32))
     x = np.where(rng.random((9, k)) < 0.5, -1.0, 1.0).astype(np.float32)
     np.testing.assert_allclose(run(q, x), expected(q, x), rtol=RTOL, atol=ATOL)
 
@@ -162,7 +190,7 @@ def matmulnbits(q, x):
     inits = [numpy_helper.from_array(q.codes, "B"), numpy_helper.from_array(q.scales, "scales")]
     if q.zeros is not None:
         inits.append(numpy_helper.from_array(q.packed_zero_points(), "zero_points"))
-    attrs = dict(K=k, N=n, bits=4, block_size=q.block_size, accuracy_level=4)
+    attrs = dict(K=k, N=n, bits=q.bits, block_size=q.block_size, accuracy_level=4)
     node = helper.make_node("MatMulNBits", ["x", *(i.name for i in inits)], ["y"], **attrs)
     node.domain = "com.microsoft"
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])
@@ -174,11 +202,12 @@ def matmulnbits(q, x):
 
 
 @pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
-def test_matches_matmulnbits(zeros, rng):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matches_matmulnbits(zeros, bits, rng):
     """The same weights and input through ONNX Runtime's MatMulNBits at accuracy_level 4 (the
     op QuantMatMul stands in for): equal to float32 rounding, and both away from the float
     product by the int8 input's rounding."""
-    q = weights(rng, 96, 576, 32, zeros=zeros)
+    q = weights(rng, 96, 576, 32, zeros=zeros, bits=bits)
     x = rng.standard_normal((32, 576)).astype(np.float32)
     theirs, ours = matmulnbits(q, x), run(q, x)
     np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=1e-4)
@@ -189,12 +218,8 @@ def test_matches_matmulnbits(zeros, rng):
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_QUANT_ISA) pass the value tests."""
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    cmd += ["-k", "shapes or leading_dims or extreme_codes or matches"]
-    env = os.environ | {"ORT_LORA_QUANT_ISA": isa}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    cases = "shapes or leading_dims or extreme_codes or matches or splits"
+    assert_passes_with_isa(__file__, cases, "ORT_LORA_QUANT_ISA", isa)
 
 
 # ---- bad input: an error naming it ---------------------------------------------------------
@@ -231,7 +256,8 @@ def test_bad_inputs(name, change, match, rng):
 @pytest.mark.parametrize(
     "attrs,match",
     [
-        (dict(bits=8), "attribute 'bits' must be 4"),
+        (dict(bits=5), "attribute 'bits' must be 4 or 8, got 5"),
+        (dict(bits=8), r"input 'codes' must have shape \[2, 2, 8, 256\]"),
         (dict(block_size=24), "attribute 'block_size' must be a power of two >= 16, got 24"),
         (dict(K=48), r"attribute 'K' \(48\) must be a positive multiple of block_size \(32\)"),
         (dict(N=0), "attribute 'N' must be positive, got 0"),
@@ -241,7 +267,18 @@ def test_bad_inputs(name, change, match, rng):
         (dict(splits=(64, 0, 36)), r"each value must be positive"),
         (dict(splits=(64, 36)), r"the node has 1 outputs; attribute 'splits' names 2"),
     ],
-    ids=["bits", "block", "K", "N", "level", "splits", "splits_tiles", "splits_zero", "outputs"],
+    ids=[
+        "bits",
+        "bits_codes",
+        "block",
+        "K",
+        "N",
+        "level",
+        "splits",
+        "splits_tiles",
+        "splits_zero",
+        "outputs",
+    ],  # fmt: skip
 )
 def test_bad_attributes(attrs, match, rng):
     bad_run(valid(rng), match, **attrs)

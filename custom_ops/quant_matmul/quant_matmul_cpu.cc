@@ -7,33 +7,18 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-#define ORT_LORA_QUANT_X86 1
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn of it (GCC bug 105593)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "quant_matmul/quant_matmul_kernels.h"
 
 namespace ort_lora {
 
 namespace {
 
+using namespace quant_matmul;  // NOLINT: this file's own internals
+
 constexpr int64_t kChunkRows = 64;       // rows of x per work item (their int8 copy stays in L2)
 constexpr int64_t kTargetItems = 16;     // work items a call aims for (2-16 threads)
 constexpr int64_t kQuantizeSerial = 64;  // up to this many rows, x is quantized inline
-constexpr int64_t kLanes = 16;           // columns of one AVX-512 register: a strip
-constexpr int64_t kStrips = kQuantTile / kLanes;  // strips per tile
-constexpr int64_t kChunkBytes = kQuantTile * 4;   // a tile's codes of 8 k
-
-// x quantized per block, and what the kernels multiply by.
-struct Problem {
-  const QuantMatMulArgs* a;
-  int64_t blocks, tiles, row_chunks, tiles_per_item;  // row chunks: of kChunkRows rows
-  int8_t* xq;                                         // [m, k]
-  float* xscale;                                      // [m, blocks] amax / 127
-  float* xqsum;  // [m, blocks] xscale * sum(codes): what the zero points multiply
-  float* xsum;   // [m, blocks] float sums of x: what the offsets multiply (with offsets)
-};
+constexpr int64_t kL2Codes = 1 << 20;    // bytes of codes a work item keeps in L2
 
 // ---- quantizing x: per block, scale amax / 127, codes rint(x * (127 / amax)) ----
 
@@ -56,6 +41,7 @@ void QuantizeRowBase(const Problem& p, int64_t row) {
     const float scale = amax / 127.0f;
     p.xscale[row * p.blocks + b] = scale;
     p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
+    p.xisum[row * p.blocks + b] = qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
   }
 }
@@ -84,7 +70,9 @@ __attribute__((target("arch=x86-64-v4"))) void QuantizeRowAvx512(const Problem& 
     }
     const float scale = amax / 127.0f;
     p.xscale[row * p.blocks + b] = scale;
-    p.xqsum[row * p.blocks + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(isum));
+    const int32_t qsum = _mm512_reduce_add_epi32(isum);
+    p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
+    p.xisum[row * p.blocks + b] = qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = _mm512_reduce_add_ps(vsum);
   }
 }
@@ -124,22 +112,13 @@ __attribute__((target("arch=x86-64-v3"))) void QuantizeRowAvx2(const Problem& p,
     const float scale = amax / 127.0f;
     p.xscale[row * p.blocks + b] = scale;
     p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
+    p.xisum[row * p.blocks + b] = qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
   }
 }
 #endif
 
 // ---- the products: one tile of 16 columns x up to MR rows over all of K ----
-
-struct TileArgs {
-  const uint8_t* codes;  // the tile's codes, block 0
-  const float* scales;   // the strip's, block 0 (a block's 64 columns later: the next)
-  const uint8_t* zeros;
-  const float* offsets;
-  int64_t row, columns;  // first row; columns of its output from the strip's first on
-  float* y;              // the output at [row, the strip's first column]
-  int64_t ldy;           // the output's row stride
-};
 
 // The 4 int8 values of x that meet chunk j's low nibbles, and the 4 that meet its high ones,
 // each as one int32 to broadcast. always_inline: GCC inlines nothing of the default arch into
@@ -158,14 +137,15 @@ TileArgs Strip(const Problem& p, int64_t row, int64_t strip) {
   int64_t column = strip * kLanes, o = 0;
   for (; o + 1 < a.outputs && column >= a.columns[o]; ++o) column -= a.columns[o];
   const int64_t at = tile * p.blocks * kQuantTile + strip % kStrips * kLanes;
-  return {a.codes + tile * p.blocks * a.block_size / 8 * kChunkBytes + strip % kStrips * 64,
+  return {a.codes + (tile * p.blocks * p.chunks) * kChunkBytes + strip % kStrips * 64,
           a.scales + at,
           a.zeros ? a.zeros + at : nullptr,
           a.offsets ? a.offsets + at : nullptr,
           row,
           a.columns[o] - column,
           a.y[o] + row * a.columns[o] + column,
-          a.columns[o]};
+          a.columns[o],
+          nullptr};
 }
 
 template <int MR>
@@ -444,19 +424,34 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, co
 }
 #endif
 
-using TileFn = void (*)(const Problem&, const TileArgs&);
-struct Kernels {
-  void (*quantize)(const Problem&, int64_t row);
-  const TileFn* tiles;  // tiles[r - 1]: r rows x strips[r - 1] strips of a tile
-  const int* strips;
-  int rows;  // rows of a full row group
-};
-
 // The widest ISA the CPU has, capped by ORT_LORA_QUANT_ISA (avx512 | avx2 | baseline) so that
 // tests can run the narrower copies on a machine that has AVX-512 VNNI.
-Kernels SelectKernels() {
+Isa SelectIsa() {
+#ifdef ORT_LORA_QUANT_X86
+  __builtin_cpu_init();
+  const char* cap = std::getenv("ORT_LORA_QUANT_ISA");
+  const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni"))
+    return Isa::kAvx512;
+  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return Isa::kAvx2;
+#endif
+  return Isa::kBaseline;
+}
+
+using QuantizeFn = void (*)(const Problem&, int64_t row);
+
+QuantizeFn Quantizer(Isa isa) {
+#ifdef ORT_LORA_QUANT_X86
+  if (isa == Isa::kAvx512) return QuantizeRowAvx512;
+  if (isa == Isa::kAvx2) return QuantizeRowAvx2;
+#endif
+  return QuantizeRowBase;
+}
+
+TileKernels Int4Kernels(Isa isa) {
   static constexpr TileFn base[] = {TileBase<1>, TileBase<2>, TileBase<3>, TileBase<4>};
-  static constexpr int one[] = {1, 1, 1, 1, 1, 1, 1, 1};
+  static constexpr int one[] = {1, 1, 1, 1};
 #ifdef ORT_LORA_QUANT_X86
   // Row groups and strips per call chosen by bench/bench_ops.py --only quant (docs/
   // BENCHMARKS.md, "QuantMatMul per ISA"). AVX-512: few rows take several strips at once
@@ -469,24 +464,31 @@ Kernels SelectKernels() {
   // all); 2-4 rows one strip, half by half.
   static constexpr TileFn avx2[] = {TileAvx2Row, TileAvx2Rows<2>, TileAvx2Rows<3>, TileAvx2Rows<4>};
   static constexpr int avx2_strips[] = {4, 1, 1, 1};
-  __builtin_cpu_init();
-  const char* cap = std::getenv("ORT_LORA_QUANT_ISA");
-  const bool allow512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
-  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
-  if (allow512 && __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni"))
-    return {QuantizeRowAvx512, avx512, avx512_strips, 6};
-  if (allow2 && __builtin_cpu_supports("x86-64-v3")) return {QuantizeRowAvx2, avx2, avx2_strips, 4};
+  if (isa == Isa::kAvx512) return {avx512, avx512_strips, 6};
+  if (isa == Isa::kAvx2) return {avx2, avx2_strips, 4};
 #endif
-  return {QuantizeRowBase, base, one, 4};
+  return {base, one, 4};
+}
+
+struct Kernels {
+  QuantizeFn quantize;
+  TileKernels int4, int8;
+};
+
+Kernels SelectKernels() {
+  const Isa isa = SelectIsa();
+  return {Quantizer(isa), Int4Kernels(isa), Int8Kernels(isa)};
 }
 
 }  // namespace
 
 void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
-  static const Kernels kernels = SelectKernels();
+  static const Kernels all = SelectKernels();
+  const TileKernels& kernels = a.bits == 8 ? all.int8 : all.int4;
   if (a.m == 0 || a.n == 0) return;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> stats;
+  thread_local std::vector<int32_t> isums;
   Problem p{&a,
             a.k / a.block_size,
             (a.n + kQuantTile - 1) / kQuantTile,
@@ -495,7 +497,9 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
             nullptr,
             nullptr,
             nullptr,
-            nullptr};
+            nullptr,
+            nullptr,
+            a.block_size * a.bits / 32};
   p.row_chunks = (a.m + kChunkRows - 1) / kChunkRows;
   const int64_t wanted = std::max<int64_t>(1, kTargetItems / p.row_chunks);
   p.tiles_per_item = std::max<int64_t>(1, (p.tiles + wanted - 1) / wanted);
@@ -505,35 +509,55 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
   p.xscale = stats.data();
   p.xqsum = p.xscale + a.m * p.blocks;
   p.xsum = a.offsets ? p.xqsum + a.m * p.blocks : nullptr;
+  isums.resize(a.m * p.blocks);
+  p.xisum = isums.data();
 
   if (a.float_x) {
     parallel(static_cast<size_t>(p.tiles * kStrips), [&](size_t strip) {
-      if (static_cast<int64_t>(strip) * kLanes < a.n) StripFloatX(p, Strip(p, 0, strip), a.m);
+      if (static_cast<int64_t>(strip) * kLanes >= a.n) return;
+      if (a.bits == 8) {
+        StripFloatX8(p, Strip(p, 0, strip), a.m);
+      } else {
+        StripFloatX(p, Strip(p, 0, strip), a.m);
+      }
     });
     return;
   }
   if (a.m <= kQuantizeSerial) {
-    for (int64_t r = 0; r < a.m; ++r) kernels.quantize(p, r);
+    for (int64_t r = 0; r < a.m; ++r) all.quantize(p, r);
   } else {
     parallel(static_cast<size_t>(p.row_chunks), [&](size_t c) {
       const int64_t end = std::min(a.m, static_cast<int64_t>(c + 1) * kChunkRows);
-      for (int64_t r = static_cast<int64_t>(c) * kChunkRows; r < end; ++r) kernels.quantize(p, r);
+      for (int64_t r = static_cast<int64_t>(c) * kChunkRows; r < end; ++r) all.quantize(p, r);
     });
   }
   const int64_t groups = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
+  // row group by row group over an item's tiles while those stay in L2; tile by tile (every
+  // row group of it) past that, as an 8-bit LM head's are
+  const bool tile_major = p.tiles_per_item * p.blocks * p.chunks * kChunkBytes > kL2Codes;
   parallel(static_cast<size_t>(p.row_chunks * groups), [&](size_t i) {
     const int64_t chunk = static_cast<int64_t>(i) / groups,
                   group = static_cast<int64_t>(i) % groups;
     const int64_t row_end = std::min(a.m, (chunk + 1) * kChunkRows);
     const int64_t tile_end = std::min(p.tiles, (group + 1) * p.tiles_per_item);
-    for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows) {
+    const auto row_group = [&](int64_t row, int64_t tile, bool prefetch) {
       const int64_t rows = std::min<int64_t>(kernels.rows, row_end - row);
       const int64_t wide = kernels.strips[rows - 1];  // divides kStrips
-      for (int64_t tile = group * p.tiles_per_item; tile < tile_end; ++tile)
-        for (int64_t strip = tile * kStrips; strip < (tile + 1) * kStrips; strip += wide) {
-          if (strip * kLanes >= a.n) break;
-          kernels.tiles[rows - 1](p, Strip(p, row, strip));
-        }
+      for (int64_t strip = tile * kStrips; strip < (tile + 1) * kStrips; strip += wide) {
+        if (strip * kLanes >= a.n) break;
+        TileArgs t = Strip(p, row, strip);
+        if (prefetch) t.next = t.codes + p.blocks * p.chunks * kChunkBytes;
+        kernels.tiles[rows - 1](p, t);
+      }
+    };
+    const int64_t first = group * p.tiles_per_item;
+    if (tile_major) {  // the first row group of a tile fetches the next tile's codes
+      for (int64_t tile = first; tile < tile_end; ++tile)
+        for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows)
+          row_group(row, tile, row == chunk * kChunkRows && tile + 1 < tile_end);
+    } else {
+      for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows)
+        for (int64_t tile = first; tile < tile_end; ++tile) row_group(row, tile, false);
     }
   });
 }

@@ -49,9 +49,9 @@ QuantMatMulKernel::QuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
   k_ = RequiredInt(ki, "K");
   n_ = RequiredInt(ki, "N");
   block_size_ = RequiredInt(ki, "block_size");
-  const int64_t bits = AttrOr<int64_t>(ki, "bits", 4);
+  bits_ = AttrOr<int64_t>(ki, "bits", 4);
   const int64_t level = AttrOr<int64_t>(ki, "accuracy_level", 4);
-  if (bits != 4) Fail("attribute 'bits' must be 4 (the only width of this kernel), got ", bits);
+  if (bits_ != 4 && bits_ != 8) Fail("attribute 'bits' must be 4 or 8, got ", bits_);
   if (level != 0 && level != 1 && level != 4)
     Fail("attribute 'accuracy_level' must be 4 (int8 x) or 0 / 1 (float x), got ", level);
   float_x_ = level != 4;
@@ -91,7 +91,7 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   if (x.shape.back() != k_)
     Fail("input 'x' must have last dim K = ", k_, ", got shape ", ShapeStr(x.shape));
   const int64_t tiles = (n_ + kQuantTile - 1) / kQuantTile, blocks = k_ / block_size_;
-  ExpectTiled(in[kCodes], "codes", kU8, {tiles, blocks, block_size_ / 8, 4 * kQuantTile});
+  ExpectTiled(in[kCodes], "codes", kU8, {tiles, blocks, block_size_ * bits_ / 32, 4 * kQuantTile});
   ExpectTiled(in[kScales], "scales", kF32, {tiles, blocks, kQuantTile});
   if (in[kZeros].present) ExpectTiled(in[kZeros], "zeros", kU8, {tiles, blocks, kQuantTile});
   if (in[kOffsets].present) ExpectTiled(in[kOffsets], "offsets", kF32, {tiles, blocks, kQuantTile});
@@ -107,6 +107,7 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   a.k = k_;
   a.n = n_;
   a.block_size = block_size_;
+  a.bits = static_cast<int>(bits_);
   a.codes = in[kCodes].value.GetTensorData<uint8_t>();
   a.scales = in[kScales].value.GetTensorData<float>();
   a.zeros = in[kZeros].present ? in[kZeros].value.GetTensorData<uint8_t>() : nullptr;

@@ -1,17 +1,18 @@
-// QuantMatMul (domain ort_lora, CPU, float32): y = x @ W^T for a 4-bit block-quantized weight
-// W [N, K] in column tiles for int8 dot products (quant_matmul_cpu.h has the layout), with
-// x quantized to int8 per block as com.microsoft.MatMulNBits does at accuracy_level 4.
+// QuantMatMul (domain ort_lora, CPU, float32): y = x @ W^T for a 4- or 8-bit block-quantized
+// weight W [N, K] in column tiles for int8 dot products (quant_matmul_cpu.h has the layouts),
+// with x quantized to int8 per block as com.microsoft.MatMulNBits does at accuracy_level 4.
 //
 // Inputs
 //    0 x          float [..., K]
-//    1 codes      uint8 [ceil(N / 64), K / block_size, block_size / 8, 256]
+//    1 codes      uint8 [ceil(N / 64), K / block_size, block_size * bits / 32, 256]
+//                 (4 bits: 8 k per chunk of 256 bytes, two codes a byte; 8 bits: 4 k, one)
 //    2 scales     float [ceil(N / 64), K / block_size, 64]
-//    3 zeros      uint8 [ceil(N / 64), K / block_size, 64]  optional (absent: 8)
+//    3 zeros      uint8 [ceil(N / 64), K / block_size, 64]  optional (absent: 2^(bits - 1))
 //    4 offsets    float [ceil(N / 64), K / block_size, 64]  optional (absent: 0)
 // Outputs
 //    0 y          float [..., N], or with splits its first splits[0] columns
 //    1, 2         float [..., splits[1]], [..., splits[2]]: the next columns (with splits)
-// Attributes: K, N, block_size (a power of two >= 16), bits (4, the only value),
+// Attributes: K, N, block_size (a power of two >= 16), bits (4, the default, or 8),
 //             accuracy_level (4, the default: x quantized to int8 per block; 0 or 1: x as it
 //             is, float products: a slow path, for --verify), splits (optional, 1 to 3
 //             values summing to N, all but the last multiples of 64: y cut by columns into
@@ -35,6 +36,7 @@ struct QuantMatMulKernel {
   int64_t k_;
   int64_t n_;
   int64_t block_size_;
+  int64_t bits_;
   bool float_x_;
   std::vector<int64_t> splits_;  // the outputs' columns
 };

@@ -13,7 +13,7 @@ modules that read one x: its attribute modules), the node producing the module's
                                         (4 or 8 bits; zero points packed uint8, float, or
                                         absent: 2^(bits - 1)), dequantized row by row
   ort_lora.QuantMatMul(x, tiles, tile_scales[, tile_zeros][, tile_offsets])
-                                        4-bit blocks in 64-column tiles
+                                        4- or 8-bit blocks in 64-column tiles
                                         (quant_tiles.py), read a tile at a time; output i of
                                         one with splits: rows from sum(splits[:i]) on
   Add(MatMulNBits(...), MatMul(block sums of x, offsets^T))
@@ -122,7 +122,7 @@ class _Tiled:
         t = self.tiled
         arrays = (t.codes, t.scales, t.zeros, t.offsets)
         picked = [None if a is None else np.asarray(a[first:last]) for a in arrays]
-        w = dequantize(TiledBlocks(*picked), min(self.n, last * TILE) - first * TILE)
+        w = dequantize(TiledBlocks(*picked, bits=t.bits), min(self.n, last * TILE) - first * TILE)
         lo = start - first * TILE
         return w[lo : lo + stop - start]
 
@@ -257,8 +257,10 @@ class _GraphIndex:
         if any(name and t is None for name, t in zip(names, tensors)):
             return f"QuantMatMul {node.name} reads weights that are not initializers"
         arrays = [None if t is None else self._array(t) for t in tensors]
-        n = next(a.i for a in node.attribute if a.name == "N")
-        return _Tiled(TiledBlocks(*arrays), n)
+        attrs = {a.name: a.i for a in node.attribute}
+        if attrs.get("bits", 4) not in (4, 8):
+            return f"QuantMatMul {node.name} has bits={attrs['bits']}"
+        return _Tiled(TiledBlocks(*arrays, bits=attrs.get("bits", 4)), attrs["N"])
 
     def _with_offsets(self, node) -> _NBits | str:
         """Add(MatMulNBits(x), MatMul(block sums of x, offsets_t)): the offset branch."""

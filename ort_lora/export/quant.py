@@ -121,19 +121,18 @@ class BlockQuantized:
 
 
 def tile_blocks(q: BlockQuantized) -> TiledBlocks:
-    """q (4 bits) in ort_lora.QuantMatMul's layout (ort_lora/quant_tiles.py)."""
-    assert q.bits == 4, "QuantMatMul multiplies 4-bit weights"
-    codes = unpack_codes(q.codes, 4).reshape(q.shape)
-    return quant_tiles.tile(codes, q.scales, q.zeros, q.offsets, q.block_size)
+    """q (4 or 8 bits) in ort_lora.QuantMatMul's layout (ort_lora/quant_tiles.py)."""
+    codes = unpack_codes(q.codes, q.bits).reshape(q.shape)
+    return quant_tiles.tile(codes, q.scales, q.zeros, q.offsets, q.block_size, q.bits)
 
 
 def untile_blocks(t: TiledBlocks, n: int, method: str = "exported") -> BlockQuantized:
-    """tile_blocks' inverse: the first n columns of t as 4-bit BlockQuantized."""
+    """tile_blocks' inverse: the first n columns of t as BlockQuantized of t's bits."""
     codes, scales, zeros, offsets, block = quant_tiles.untile(t, n)
     return BlockQuantized(
-        bits=4,
+        bits=t.bits,
         block_size=block,
-        codes=pack_codes(codes, 4, block),
+        codes=pack_codes(codes, t.bits, block),
         scales=scales,
         zeros=zeros,
         offsets=offsets,

@@ -4,7 +4,8 @@
        └ (offsets only) Reshape [T, K/b, b] ─ ReduceSum ─ MatMul(offsets^T) ┘
 
     x [T, K] ─ ort_lora.QuantMatMul(tiles, tile_scales[, tile_zeros][, tile_offsets]) ─ y [T, N]
-               (4-bit weights at accuracy_level 4, linear_op "QuantMatMul": quant.tile_blocks)
+               (linear_op "QuantMatMul", at accuracy_level 4: 4- and 8-bit weights, the 8-bit
+               LM head too; quant.tile_blocks)
 
     x [T, K] ─ (either, W = q/k/v or gate/up stacked by rows) ─ Split ─ y_q, y_k, y_v
     x [T, K] ─ QuantMatMul(stacked, splits = rows) ─ y_q, y_k, y_v   (parts of 64k rows: no Split)
@@ -19,7 +20,9 @@ MatMulNBits instead of 7, and 4 offset branches (about 3 ms of a 65 ms SmolLM2 d
 32 sequences). Initializers are named after the checkpoint tensor: `{weight}/quant/B`,
 `/scales`, `/zero_points`, `/offsets_T`; stacked weights after their parts (stacked_name:
 `model.layers.0.self_attn.q_proj+k_proj+v_proj.weight`), with `/quant/rows` (the Split's
-sizes); QuantMatMul's `/quant/tiles`, `/tile_scales`, `/tile_zeros`, `/tile_offsets`.
+sizes); QuantMatMul's `/quant/tiles`, `/tile_scales`, `/tile_zeros`, `/tile_offsets` (a tied
+head's tiles are initializers of their own: the embedding's GatherBlockQuantized keeps reading
+`/quant/B_rows` and `/scales`).
 quant_reference.py and adapters/base_weights.py read the quantized weights back by these
 names and nodes.
 """
@@ -48,7 +51,7 @@ class QuantGraph:
     def matmul(self, x: str, q: BlockQuantized, weight: str, name: str) -> str:
         """y = x @ W^T for W = q (checkpoint tensor `weight`).  x: [T, K] -> [T, N]."""
         n, k = q.shape
-        if q.bits == 4 and self.linear_op == "QuantMatMul":
+        if self.linear_op == "QuantMatMul":
             return self._quant_matmul(x, q, weight, name, [n])[0]
         inputs = [x, self._init(f"{weight}{QUANT}B", q.codes, "uint8")]
         inputs.append(self._init(f"{weight}{QUANT}scales", q.scales, "float32"))
@@ -89,7 +92,7 @@ class QuantGraph:
         while inputs[-1] == "":
             inputs.pop()
         n, k = q.shape
-        attrs = dict(K=k, N=n, bits=4, block_size=q.block_size)
+        attrs = dict(K=k, N=n, bits=q.bits, block_size=q.block_size)
         if len(splits) > 1:
             attrs["splits"] = splits
         node = f"{name}/QuantMatMul"
@@ -103,7 +106,7 @@ class QuantGraph:
         """[x @ W_i^T for each part i] for W = q, the parts' rows (`rows` each) stacked;
         `weights` the parts' checkpoint tensors.  x: [T, K] -> [T, rows[i]] each."""
         weight = stacked_name(weights)
-        if q.bits == 4 and self.linear_op == "QuantMatMul" and not any(r % TILE for r in rows[:-1]):
+        if self.linear_op == "QuantMatMul" and not any(r % TILE for r in rows[:-1]):
             return self._quant_matmul(x, q, weight, name, rows)  # its outputs, no Split
         y = self.matmul(x, q, weight, name)  # [T, sum(rows)]
         sizes = self._init(f"{weight}{QUANT}rows", np.array(rows, np.int64), "int64")
@@ -140,7 +143,7 @@ class QuantGraph:
         return self._block_sums[key]
 
     def _init(self, name: str, data: np.ndarray, dtype: str) -> str:
-        if name not in self._written:  # a tied head shares the embedding's scales
+        if name not in self._written:  # a tied MatMulNBits head shares the embedding's scales
             self.g.initializer(name, data, dtype)
             self._written.add(name)
         return name

@@ -45,9 +45,10 @@ def exported_weights(model_dir) -> dict[str, BlockQuantized]:
         data = node.input[0 if node.op_type == "GatherBlockQuantized" else 1]
         attrs = {a.name: a.i for a in node.attribute}
         weight = data.rsplit(QUANT, 1)[0]
-        if node.op_type == "QuantMatMul":  # ort_lora's 4-bit op: tiles (quant.tile_blocks)
+        if node.op_type == "QuantMatMul":  # ort_lora's op: tiles (quant.tile_blocks)
             fields = ("tiles", "tile_scales", "tile_zeros", "tile_offsets")
-            tiled = TiledBlocks(*(array(f"{weight}{QUANT}{f}") for f in fields))
+            arrays = (array(f"{weight}{QUANT}{f}") for f in fields)
+            tiled = TiledBlocks(*arrays, bits=attrs.get("bits", 4))
             splits = next((list(a.ints) for a in node.attribute if a.name == "splits"), None)
             out.update(_parts(weight, untile_blocks(tiled, attrs["N"]), array, splits))
             continue

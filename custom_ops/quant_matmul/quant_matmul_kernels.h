@@ -1,0 +1,67 @@
+// What QuantMatMul's tile kernels share: x quantized per block, one call's view of a strip of
+// the weight, and the kernel tables the ISA dispatch picks from. The 4-bit kernels and the
+// dispatch live in quant_matmul_cpu.cc, the 8-bit kernels in quant_matmul_int8.cc. No ONNX
+// Runtime types.
+#pragma once
+
+#include <cstdint>
+
+#include "quant_matmul/quant_matmul_cpu.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define ORT_LORA_QUANT_X86 1
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn of it (GCC bug 105593)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace ort_lora::quant_matmul {
+
+constexpr int64_t kLanes = 16;                    // columns of one AVX-512 register: a strip
+constexpr int64_t kStrips = kQuantTile / kLanes;  // strips per tile
+constexpr int64_t kChunkBytes = kQuantTile * 4;   // a tile's codes of one chunk (8 k or 4 k)
+
+// x quantized per block, and what the kernels multiply by.
+struct Problem {
+  const QuantMatMulArgs* a;
+  int64_t blocks, tiles, row_chunks, tiles_per_item;  // row chunks: of kChunkRows rows
+  int8_t* xq;                                         // [m, k]
+  float* xscale;                                      // [m, blocks] amax / 127
+  float* xqsum;    // [m, blocks] xscale * sum(codes): what the zero points multiply
+  float* xsum;     // [m, blocks] float sums of x: what the offsets multiply (with offsets)
+  int32_t* xisum;  // [m, blocks] sum(codes) as an integer (8 bits: the zero point 128's term)
+  int64_t chunks;  // chunks (of kChunkBytes) per block: block_size * bits / 32
+};
+
+// One call of a tile kernel: MR rows x some strips of one tile, over all of K.
+struct TileArgs {
+  const uint8_t* codes;  // the strip's codes, block 0 (a chunk of the tile later: the next)
+  const float* scales;   // the strip's, block 0 (a block's 64 columns later: the next)
+  const uint8_t* zeros;
+  const float* offsets;
+  int64_t row, columns;  // first row; columns of its output from the strip's first on
+  float* y;              // the output at [row, the strip's first column]
+  int64_t ldy;           // the output's row stride
+  const uint8_t* next;   // the same strips' codes in the next tile, to prefetch; or nullptr
+                         // (the 8-bit kernels read it: the memory stream of a large weight
+                         // overlaps the products of many rows)
+};
+
+using TileFn = void (*)(const Problem&, const TileArgs&);
+
+// The kernels of one weight width on one ISA.
+struct TileKernels {
+  const TileFn* tiles;  // tiles[r - 1]: r rows x strips[r - 1] strips of a tile
+  const int* strips;    // each divides kStrips
+  int rows;             // rows of a full row group
+};
+
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+
+// 8-bit weights (quant_matmul_int8.cc): the kernels for `isa`.
+TileKernels Int8Kernels(Isa isa);
+
+// 8-bit weights, float x (accuracy_level 0 / 1): the strip's `rows` rows.
+void StripFloatX8(const Problem& p, const TileArgs& t, int64_t rows);
+
+}  // namespace ort_lora::quant_matmul
