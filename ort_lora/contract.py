@@ -70,14 +70,15 @@ and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks
 quantization.block_size input values (quantization.bits per value, accuracy_level as
 recorded: 4 = the op quantizes its float input to int8 per block), the embedding Gather is
 GatherBlockQuantized and the LM head MatMulNBits, both at embedding_and_head_bits (8). 4-bit
-linear weights at accuracy_level 4 are ort_lora.QuantMatMul instead (linear_op; the same
-numbers in 64-column tiles for int8 dot products, custom_ops/quant_matmul/quant_matmul_op.h,
-a GGUF Q4_1 offset as its input, not a branch). Modules that read the same input (q/k/v,
-gate/up) share one product over their stacked rows, whose output a Split cuts into the
-modules' y (export/quant_graph.py). The graph's inputs and outputs,
+linear weights at accuracy_level 4 and the LM head of such an export are ort_lora.QuantMatMul
+instead (linear_op, head_op; the same numbers in 64-column tiles for int8 dot products, bits
+4 or 8, custom_ops/quant_matmul/quant_matmul_op.h, a GGUF Q4_1 offset as its input, not a
+branch; the embedding's GatherBlockQuantized keeps the MatMulNBits layout). Modules that
+read the same input (q/k/v, gate/up) share one product over their stacked rows, whose output
+a Split cuts into the modules' y (export/quant_graph.py). The graph's inputs and outputs,
 the pool and LoraSGMV are unchanged: LoraSGMV reads the float input x and adds its float32
 delta to the quantized projection's output. The entry records:
-  weights, bits, block_size, accuracy_level, op, linear_op     what the graph runs
+  weights, bits, block_size, accuracy_level, op, linear_op, head_op   what the graph runs
   quant_method            "rtn" or "hqq": how linear weights not carried over from a GGUF
                           are made (hqq: int4 only, float zero points as integer ones plus
                           a per-block offset, quant.quantize_hqq)

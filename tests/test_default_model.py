@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ort_lora.contract import MANIFEST_NAME
 from ort_lora.server import default_model
 
 
-def _manifest(weights: str, linear_op: str = default_model.INT4_LINEAR_OP) -> dict:
+def _manifest(weights: str, op: str = default_model.INT4_LINEAR_OP) -> dict:
     if weights in ("int4", "int8"):
-        return {"dtype": "float32", "quantization": {"weights": weights, "linear_op": linear_op}}
+        quant = {"weights": weights, "linear_op": op, "head_op": op}
+        return {"dtype": "float32", "quantization": quant}
     return {"dtype": weights, "quantization": {}}
 
 
@@ -46,14 +49,23 @@ def test_a_cache_entry_with_other_weights_is_exported_again(tmp_path, monkeypatc
     assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
 
 
-def test_an_int4_entry_of_matmulnbits_is_exported_again(tmp_path, monkeypatch):
-    """An int4 entry exported before QuantMatMul (its linears on MatMulNBits: no linear_op in
-    its manifest) is exported again when int4 is the default; one with it is reused."""
+@pytest.mark.parametrize(
+    "old_quant",
+    [
+        {"weights": "int4"},  # before QuantMatMul: linears on MatMulNBits, no linear_op
+        {"weights": "int4", "linear_op": default_model.INT4_LINEAR_OP},  # head on MatMulNBits
+        {"weights": "int4", "linear_op": "com.microsoft.MatMulNBits", "head_op": "x"},
+    ],
+)
+def test_an_int4_entry_of_matmulnbits_is_exported_again(tmp_path, monkeypatch, old_quant):
+    """An int4 entry exported before QuantMatMul ran its linears (no linear_op in its
+    manifest) or its 8-bit LM head (no head_op) is exported again when int4 is the default;
+    one with both is reused."""
     monkeypatch.setattr(default_model, "CPU_WEIGHTS", "int4")
     monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
     target = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
-    old = {"dtype": "float32", "quantization": {"weights": "int4"}}
+    old = {"dtype": "float32", "quantization": old_quant}
     (target / MANIFEST_NAME).write_text(json.dumps(old))
     calls = []
     _fake_export(monkeypatch, calls)

@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         choices=("int4", "int8", "float32", "float16", "bfloat16"),
         help="base weights: the graph's dtype (default), or int4 / int8 (cpu) as ONNX "
-        "Runtime MatMulNBits blocks, LoRA adapters still float32 (GGUF Q4_0 / Q4_1 / Q8_0 "
+        "Runtime MatMulNBits blocks (int4: multiplied by ort_lora's QuantMatMul, the 8-bit LM "
+        "head too), LoRA adapters still float32 (GGUF Q4_0 / Q4_1 / Q8_0 "
         "blocks carried over, other weights quantized round-to-nearest)",
     )
     p.add_argument(
@@ -84,8 +85,8 @@ def parser() -> argparse.ArgumentParser:
         help="rare options: max_position_embeddings=N, verify_tol=X, verify_steps=N, "
         "verify_prompts=N; with --weights int4/int8: accuracy_level=0|1|4 (MatMulNBits, "
         "default 4: int8 activations), gguf_q4_1=offset|zero_point, "
-        "int4_op=QuantMatMul|MatMulNBits (4-bit linears: ort_lora's kernel, the default, or "
-        "ORT's), "
+        "int4_op=QuantMatMul|MatMulNBits (4-bit linears and the LM head: ort_lora's kernel, "
+        "the default, or ORT's), "
         "quant_method=rtn|hqq (int4: round-to-nearest, or refined HQQ-style)",
     )
     return p

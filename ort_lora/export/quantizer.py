@@ -149,12 +149,12 @@ class Quantizer:
     def summary(self) -> dict:
         """The manifest's `quantization` entry (see contract.py)."""
         c = self.config
+        ops = {"QuantMatMul": "ort_lora.QuantMatMul", "MatMulNBits": "com.microsoft.MatMulNBits"}
         return {
             "weights": c.weights,
             "op": "com.microsoft.MatMulNBits",
-            "linear_op": "ort_lora.QuantMatMul"
-            if c.linear_op == "QuantMatMul"
-            else "com.microsoft.MatMulNBits",
+            "linear_op": ops[c.linear_op],
+            "head_op": ops[c.linear_op],  # the 8-bit LM head runs on the 4-bit linears' op
             "bits": c.bits,
             "block_size": c.block_size,
             "accuracy_level": c.accuracy_level,

@@ -97,8 +97,8 @@ def ensure_default_model(progress: bool = True, device: str = "cpu") -> Path:
 
 def _is_current(target: Path, device: str) -> bool:
     """A finished export (its manifest written last) that does not say it holds base weights
-    other than the default's, or int4 ones multiplied by another op (an entry from before
-    the default changed)."""
+    other than the default's, or int4 ones, or an LM head, multiplied by another op (an entry
+    from before the default changed)."""
     try:
         manifest = json.loads((target / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
@@ -108,7 +108,7 @@ def _is_current(target: Path, device: str) -> bool:
     quant = manifest.get("quantization") or {}
     weights = quant.get("weights", manifest["dtype"])
     return weights == CPU_WEIGHTS and (
-        weights != "int4" or quant.get("linear_op") == INT4_LINEAR_OP
+        weights != "int4" or quant.get("linear_op") == quant.get("head_op") == INT4_LINEAR_OP
     )
 
 
