@@ -127,6 +127,10 @@ from pathlib import Path
 
 OPS_DOMAIN = "ort_lora"
 MANIFEST_NAME = "ort_lora_manifest.json"
+# The exporter's op set: raised when exports start using something new of the ops (0.2.0:
+# LoraSGMV nodes over several modules, QuantMatMul over 8-bit weights). Older exports keep
+# running; caches that export for speed (the default model, benchmark models) redo them.
+OPS_VERSION = "0.2.0"
 MODEL_NAME = "model.onnx"
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -188,7 +192,7 @@ class ModelManifest:
     eos_token_ids: list[int]
     bos_token_id: int | None = None
     sliding_window: int | None = None
-    ops_version: str = "0.1.0"
+    ops_version: str = OPS_VERSION  # the graph's op set as exported (OPS_VERSION)
     source: str = ""
     extra: dict = field(default_factory=dict)
     # None: rows in the pool's dtype; "bfloat16" or "int8" rows in a float32 pool

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from ort_lora.contract import MANIFEST_NAME
+from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
 from ort_lora.server import default_model
 
 
 def _manifest(weights: str, op: str = default_model.INT4_LINEAR_OP) -> dict:
     if weights in ("int4", "int8"):
         quant = {"weights": weights, "linear_op": op, "head_op": op}
-        return {"dtype": "float32", "quantization": quant}
-    return {"dtype": weights, "quantization": {}}
+        return {"dtype": "float32", "quantization": quant, "ops_version": OPS_VERSION}
+    return {"dtype": weights, "quantization": {}, "ops_version": OPS_VERSION}
 
 
 def _other_weights() -> str:
@@ -65,7 +65,7 @@ def test_an_int4_entry_of_matmulnbits_is_exported_again(tmp_path, monkeypatch, o
     monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
     target = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
-    old = {"dtype": "float32", "quantization": old_quant}
+    old = {"dtype": "float32", "quantization": old_quant, "ops_version": OPS_VERSION}
     (target / MANIFEST_NAME).write_text(json.dumps(old))
     calls = []
     _fake_export(monkeypatch, calls)
@@ -89,3 +89,19 @@ def test_a_linked_cache_entry_with_other_weights_is_unlinked_not_deleted(tmp_pat
     assert default_model.ensure_default_model(progress=False) == target
     assert not target.is_symlink() and len(calls) == 1
     assert json.loads((elsewhere / MANIFEST_NAME).read_text()) == _manifest(_other_weights())
+
+
+@pytest.mark.parametrize("ops_version", [None, "0.1.0"])
+def test_an_entry_of_an_older_op_set_is_exported_again(tmp_path, monkeypatch, ops_version):
+    """An entry holding the default weights but exported with an older op set (before
+    LoraSGMV served several modules a node, say) is exported again."""
+    monkeypatch.setenv("ORT_LORA_CACHE", str(tmp_path))
+    target = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    old = _manifest(default_model.CPU_WEIGHTS) | {"ops_version": ops_version}
+    (target / MANIFEST_NAME).write_text(json.dumps(old))
+    calls = []
+    _fake_export(monkeypatch, calls)
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1
+    assert json.loads((target / MANIFEST_NAME).read_text())["ops_version"] == OPS_VERSION
+    assert default_model.ensure_default_model(progress=False) == target and len(calls) == 1

@@ -4,12 +4,13 @@ the tiny export in a subprocess."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import httpx
 import pytest
 
 from ort_lora.bench.harness.servers import ServeProcess
-from ort_lora.contract import MANIFEST_NAME
+from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
 from ort_lora.server import default_model
 from ort_lora.server.cli import build_parser, engine_overrides, main, parse_lora_module
 
@@ -68,7 +69,7 @@ def test_default_model_export_is_cached_and_atomic(tmp_path, monkeypatch):
         if len(calls) == 1:
             (out / "partial").write_text("x")
             raise RuntimeError("disk full")
-        (out / MANIFEST_NAME).write_text("{}")
+        (out / MANIFEST_NAME).write_text(json.dumps({"ops_version": OPS_VERSION}))
         return out
 
     import ort_lora.export

