@@ -25,13 +25,11 @@ import sys
 
 # bench_ops sets the BLAS thread count before numpy is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import THREADS, aligned, machine_info, paired_times  # noqa: E402, I001
+from bench_ops import THREADS, aligned, machine_info, paired_times, save_result  # noqa: E402, I001
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -321,9 +319,7 @@ def main(argv=None) -> int:
         "copy_gbps": bandwidth,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    save_result(args.out, result)
     return 0
 
 

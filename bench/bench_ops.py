@@ -604,6 +604,13 @@ def print_table(title, rows, cols):
 SECTIONS = ("sgmv", "rows", "mixes", "attention", "quant")
 
 
+def save_result(out: str | Path, result: dict) -> None:
+    """The benchmark's JSON at `out` (its folder made), and a line saying where."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repetitions")
@@ -711,9 +718,7 @@ def main(argv=None) -> int:
         "int8_roof": roof,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    save_result(args.out, result)
     return 0
 
 
