@@ -92,8 +92,10 @@ SHAPES = [  # (rows, N, K, block): decode and prefill rows, N off the 64-column 
     (70, 33, 128, 16),
     (131, 48, 256, 128),
     (2, 200, 64, 32),  # 4 tiles, the last with one 16-column strip of 8 columns
-    (11, 130, 96, 32),  # every row-group size of the kernels (1-6 rows) at some point
+    (11, 130, 96, 32),  # with the others, every row-group size of the kernels (1-8 rows)
     (5, 72, 64, 64),
+    (15, 130, 96, 32),  # 4 bits on AVX-512: a group of 8 rows, then one of 7
+    (12, 72, 64, 32),  # 8 + 4
 ]
 
 

@@ -205,7 +205,11 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
 
 #ifdef ORT_LORA_QUANT_X86
 // MR rows x NT adjacent strips: MR * NT independent chains of dot products (one row alone
-// would wait on each dpbusd's latency).
+// would wait on each dpbusd's latency). A chunk's codes are split into nibbles once for all
+// MR rows, and each row's x broadcast once for all NT strips (in registers: vpdpbusd reads
+// neither well from memory). Past the 32 zmm registers (3 rows x 4 strips, 7-8 rows x 2),
+// GCC spills some float sums, which a block touches once. With t.next, the same strips of the
+// next tile are fetched into L2 as these are read.
 template <int MR, int NT>
 __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
                                                                      const TileArgs& t) {
@@ -226,34 +230,53 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
       for (int c = 0; c < NT; ++c) dot[r][c] = _mm512_setzero_si512();
     const int8_t* xb = xq + b * a.block_size;
     for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
+      if (t.next)
+        for (int c = 0; c < NT; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes) + c * 64), _MM_HINT_T1);
+      __m512i lo[NT], hi[NT];
 #pragma GCC unroll 4
       for (int c = 0; c < NT; ++c) {
         const __m512i packed = _mm512_loadu_si512(w + c * 64);
-        const __m512i lo = _mm512_and_si512(packed, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const auto [x0, x1] = XQuads(xb + r * k, j);
-          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo, _mm512_set1_epi32(x0));
-          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi, _mm512_set1_epi32(x1));
+        lo[c] = _mm512_and_si512(packed, nibble);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const auto [q0, q1] = XQuads(xb + r * k, j);
+        const __m512i x0 = _mm512_set1_epi32(q0), x1 = _mm512_set1_epi32(q1);
+#pragma GCC unroll 4
+        for (int c = 0; c < NT; ++c) {
+          dot[r][c] = Dpbusd(dot[r][c], lo[c], x0);
+          dot[r][c] = Dpbusd(dot[r][c], hi[c], x1);
         }
       }
     }
+    // acc += dot * (scale * xscale) - scale * zero * xqsum (+ offset * xsum)
+    __m512 s[NT], wz[NT], off[NT];
 #pragma GCC unroll 4
     for (int c = 0; c < NT; ++c) {
       const int64_t at = b * kQuantTile + c * kLanes;
-      const __m512 s = _mm512_loadu_ps(t.scales + at);
+      s[c] = _mm512_loadu_ps(t.scales + at);
       const __m512 zero = t.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                                         reinterpret_cast<const __m128i*>(t.zeros + at))))
                                   : _mm512_set1_ps(8.0f);
-      const __m512 wz = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), zero));
-      const __m512 off = xsum ? _mm512_loadu_ps(t.offsets + at) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xscale[r * blocks + b]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), sx, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(wz, _mm512_set1_ps(xqsum[r * blocks + b]), acc[r][c]);
-        if (xsum) acc[r][c] = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[r * blocks + b]), acc[r][c]);
+      wz[c] = _mm512_mul_ps(s[c], _mm512_sub_ps(_mm512_setzero_ps(), zero));
+      off[c] = xsum ? _mm512_loadu_ps(t.offsets + at) : _mm512_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xs = _mm512_set1_ps(xscale[r * blocks + b]);
+      const __m512 xz = _mm512_set1_ps(xqsum[r * blocks + b]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NT; ++c) {
+        acc[r][c] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(s[c], xs), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(wz[c], xz, acc[r][c]);
+      }
+      if (xsum) {
+        const __m512 xf = _mm512_set1_ps(xsum[r * blocks + b]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NT; ++c) acc[r][c] = _mm512_fmadd_ps(off[c], xf, acc[r][c]);
       }
     }
   }
@@ -455,16 +478,20 @@ TileKernels Int4Kernels(Isa isa) {
 #ifdef ORT_LORA_QUANT_X86
   // Row groups and strips per call chosen by bench/bench_ops.py --only quant (docs/
   // BENCHMARKS.md, "QuantMatMul per ISA"). AVX-512: few rows take several strips at once
-  // (independent dot-product chains, codes read in order); 6-row groups keep 12 accumulators
-  // and 12 block sums in the 32 zmm registers.
+  // (independent dot-product chains, codes read in order); 8-row groups keep 16 dot products,
+  // 4 nibble registers and 2 broadcasts of x in the 32 zmm registers (the float sums of some
+  // spill: a block touches them once), and 32 or 64 rows leave no small group behind (faster
+  // than 6-row groups at 32 rows by 5-10 %; one strip at a time, 12 or 16 rows, was slower:
+  // twice the broadcasts of x).
   static constexpr TileFn avx512[] = {TileAvx512<1, 4>, TileAvx512<2, 4>, TileAvx512<3, 4>,
-                                      TileAvx512<4, 2>, TileAvx512<5, 2>, TileAvx512<6, 2>};
-  static constexpr int avx512_strips[] = {4, 4, 4, 2, 2, 2};
+                                      TileAvx512<4, 2>, TileAvx512<5, 2>, TileAvx512<6, 2>,
+                                      TileAvx512<7, 2>, TileAvx512<8, 2>};
+  static constexpr int avx512_strips[] = {4, 4, 4, 2, 2, 2, 2, 2};
   // AVX2 (16 ymm registers): one row streams the whole tile (8 halves, one broadcast of x for
   // all); 2-4 rows one strip, half by half.
   static constexpr TileFn avx2[] = {TileAvx2Row, TileAvx2Rows<2>, TileAvx2Rows<3>, TileAvx2Rows<4>};
   static constexpr int avx2_strips[] = {4, 1, 1, 1};
-  if (isa == Isa::kAvx512) return {avx512, avx512_strips, 6};
+  if (isa == Isa::kAvx512) return {avx512, avx512_strips, 8};
   if (isa == Isa::kAvx2) return {avx2, avx2_strips, 4};
 #endif
   return {base, one, 4};
@@ -555,9 +582,11 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
       for (int64_t tile = first; tile < tile_end; ++tile)
         for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows)
           row_group(row, tile, row == chunk * kChunkRows && tile + 1 < tile_end);
-    } else {
+    } else {  // 4 bits: the first row group fetches the next tile's codes, the item's or the
+              // next item's (1 thread at 32 rows: 10-25 % faster with weights out of L2)
       for (int64_t row = chunk * kChunkRows; row < row_end; row += kernels.rows)
-        for (int64_t tile = first; tile < tile_end; ++tile) row_group(row, tile, false);
+        for (int64_t tile = first; tile < tile_end; ++tile)
+          row_group(row, tile, a.bits == 4 && row == chunk * kChunkRows && tile + 1 < p.tiles);
     }
   });
 }

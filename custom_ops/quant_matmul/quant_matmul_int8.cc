@@ -27,18 +27,6 @@ inline __attribute__((always_inline)) int32_t XQuad(const int8_t* xb, int64_t j)
   return quad;
 }
 
-#ifdef ORT_LORA_QUANT_X86
-// acc + codes . x (vpdpbusd), in asm: GCC 12 copies the accumulators of the intrinsic twice
-// per product in these loops (not coalesced), which costs as much as the products. x is a
-// register: vpdpbusd with an embedded broadcast from memory ({1to16}) runs at under half the
-// rate here.
-__attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline __m512i Dpbusd(
-    __m512i acc, __m512i codes, __m512i x) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
-  return acc;
-}
-#endif
-
 template <int MR>
 void TileBase(const Problem& p, const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
