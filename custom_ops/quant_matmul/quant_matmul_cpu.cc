@@ -362,16 +362,7 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
   for (int h = 0; h < NH; ++h) {
     const int64_t columns = std::clamp<int64_t>(t.columns - 8 * h, 0, 8);
     if (columns == 0) break;
-    for (int r = 0; r < MR; ++r) {
-      float* out = t.y + r * t.ldy + 8 * h;
-      if (columns == 8) {
-        _mm256_storeu_ps(out, acc[r][h]);
-      } else {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r][h]);
-        std::memcpy(out, lanes, columns * sizeof(float));
-      }
-    }
+    for (int r = 0; r < MR; ++r) StoreColumnsAvx2(t.y + r * t.ldy + 8 * h, acc[r][h], columns);
   }
 }
 
@@ -433,16 +424,7 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, co
           acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r]);
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      float* out = t.y + r * t.ldy + 8 * half;
-      if (columns == 8) {
-        _mm256_storeu_ps(out, acc[r]);
-      } else {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        std::memcpy(out, lanes, columns * sizeof(float));
-      }
-    }
+    for (int r = 0; r < MR; ++r) StoreColumnsAvx2(t.y + r * t.ldy + 8 * half, acc[r], columns);
   }
 }
 #endif

@@ -190,16 +190,8 @@ __attribute__((target("arch=x86-64-v3"))) void HalvesAvx2(const Problem& p, cons
   for (int h = 0; h < NH; ++h) {
     const int64_t columns = std::clamp<int64_t>(t.columns - 8 * (half + h), 0, 8);
     if (columns == 0) break;
-    for (int r = 0; r < MR; ++r) {
-      float* out = t.y + r * t.ldy + 8 * (half + h);
-      if (columns == 8) {
-        _mm256_storeu_ps(out, acc[r][h]);
-      } else {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r][h]);
-        std::memcpy(out, lanes, columns * sizeof(float));
-      }
-    }
+    for (int r = 0; r < MR; ++r)
+      StoreColumnsAvx2(t.y + r * t.ldy + 8 * (half + h), acc[r][h], columns);
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "quant_matmul/quant_matmul_cpu.h"
 
@@ -67,6 +68,18 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline __m51
     __m512i acc, __m512i codes, __m512i x) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
   return acc;
+}
+
+// The first `columns` (1 to 8) of v at out: a whole register, or the tile's last columns.
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void StoreColumnsAvx2(
+    float* out, __m256 v, int64_t columns) {
+  if (columns == 8) {
+    _mm256_storeu_ps(out, v);
+    return;
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, v);
+  std::memcpy(out, lanes, columns * sizeof(float));
 }
 #endif
 
