@@ -170,6 +170,31 @@ def lora_input_name(module: str, kind: str) -> str:
     return f"lora_{module}_{kind}"
 
 
+# A LoraSGMV node's inputs: y, x, the two caches, seg_starts, seg_slots, module 0's tables
+# (LORA_INPUT_KINDS but dora_offsets), the three composition inputs, module 0's dora_offsets;
+# then per further module m (attribute modules) its y and its LORA_INPUT_KINDS tables.
+LORA_SGMV_ONE_MODULE_INPUTS = 14
+LORA_SGMV_A_OFFSETS = 6  # module 0's a_offsets
+
+
+def lora_sgmv_module_inputs(m: int) -> tuple[int, int]:
+    """The input indices of module m's y and a_offsets in a LoraSGMV node."""
+    if m == 0:
+        return 0, LORA_SGMV_A_OFFSETS
+    y = LORA_SGMV_ONE_MODULE_INPUTS + (1 + len(LORA_INPUT_KINDS)) * (m - 1)
+    return y, y + 1
+
+
+def current_manifest(model_dir: str | Path) -> dict | None:
+    """The manifest (its JSON) of an export made with this version's op set (OPS_VERSION); None
+    when there is none, it cannot be read, or an older op set made it."""
+    try:
+        manifest = json.loads((Path(model_dir) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if manifest.get("ops_version") == OPS_VERSION else None
+
+
 @dataclass
 class ModelManifest:
     """Everything the engine needs to know about an exported model directory."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.bfloat16 import bfloat16_bits_to_float32
-from ort_lora.contract import MODEL_NAME, OPS_DOMAIN
+from ort_lora.contract import MODEL_NAME, OPS_DOMAIN, lora_sgmv_module_inputs
 from ort_lora.quant_tiles import TILE, TiledBlocks, dequantize
 
 MSFT = "com.microsoft"
@@ -168,14 +168,9 @@ class ExportedWeights:
 
 
 def _module_inputs(inputs, modules: int) -> list[tuple[str, str]]:
-    """(y, a_offsets) of each module of a LoraSGMV node: module 0's are inputs 0 and 6, module
-    m >= 1's inputs 14 + 6 (m - 1) and the one after (the op's attribute modules)."""
-    pairs = [(inputs[0], inputs[6])]
-    for m in range(1, modules):
-        at = 14 + 6 * (m - 1)
-        if at + 1 < len(inputs):
-            pairs.append((inputs[at], inputs[at + 1]))
-    return pairs
+    """(y, a_offsets) of each module of a LoraSGMV node (the op's attribute modules)."""
+    at = [lora_sgmv_module_inputs(m) for m in range(modules)]
+    return [(inputs[y], inputs[a]) for y, a in at if a < len(inputs)]
 
 
 class _GraphIndex:

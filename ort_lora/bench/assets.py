@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
+from ort_lora.contract import current_manifest
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,11 +118,7 @@ def _gguf_to_hf(gguf: Path, out: Path) -> None:
 def _exported(out: Path) -> bool:
     """An export in `out` made with this version's op set (an older one is exported again:
     the benchmark measures what the exporter makes now)."""
-    try:
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return (out / "model.onnx").is_file() and manifest.get("ops_version") == OPS_VERSION
+    return (out / "model.onnx").is_file() and current_manifest(out) is not None
 
 
 def _fresh(path: Path) -> Path:

