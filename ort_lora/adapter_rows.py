@@ -4,6 +4,9 @@ A row of n values at pool element o spans row_elems(n, row_type) pool elements:
   None / "float32"  n float32 values, one per element (a non-float32 pool: its own dtype)
   "bfloat16"        n bfloat16 values, two per element, the first in its low 16 bits
                     (little-endian); an odd n leaves one padding bfloat16
+  "float16"         n IEEE float16 values, laid out as bfloat16 rows: exact for adapters
+                    saved in float16, 8x finer than bfloat16 for others, values past
+                    +-65504 refused (adapters/bounds.py)
   "int8"            element o is the row's float32 scale, then n int8 values q, four per
                     element from byte 4 (o + 1), the last element zero-padded; value k is
                     scale * q[k], scale = max |row| / 127 and q = round(value * 127 / max |row|)
@@ -20,13 +23,14 @@ import numpy as np
 from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # row type -> the LoraSGMV attribute adapter_dtype (an ONNX TensorProto element type)
-ROW_TYPES = {"float32": 1, "bfloat16": 16, "int8": 3}
+ROW_TYPES = {"float32": 1, "bfloat16": 16, "float16": 10, "int8": 3}
+HALF_TYPES = ("bfloat16", "float16")  # 16-bit values, two per pool element
 INT8_MAX = 127
 
 
 def row_elems(features: int, row_type: str | None) -> int:
     """Pool elements a row of `features` values spans."""
-    if row_type == "bfloat16":
+    if row_type in HALF_TYPES:
         return -(-features // 2)
     if row_type == "int8":
         return 1 + -(-features // 4) if features else 0
@@ -35,16 +39,17 @@ def row_elems(features: int, row_type: str | None) -> int:
 
 def encode_rows(rows: np.ndarray, row_type: str) -> np.ndarray:
     """float32 rows [..., n] -> uint32 [..., row_elems(n)]: the pool elements' bit patterns of
-    bfloat16 or int8 rows."""
+    bfloat16, float16 or int8 rows."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n = rows.shape[-1]
-    if row_type == "bfloat16":
-        bits = float32_to_bfloat16_bits(rows)  # [..., n] uint16, the first of a pair low
+    if row_type in HALF_TYPES:
+        # [..., n] uint16, the first of a pair low; float16: numpy rounds to nearest even
+        bits = half_bits(rows, row_type)
         if n % 2:
             bits = np.concatenate([bits, np.zeros((*bits.shape[:-1], 1), np.uint16)], axis=-1)
         return np.ascontiguousarray(bits).view("<u4")
     if row_type != "int8":
-        raise ValueError(f"encode_rows takes bfloat16 or int8 rows, got {row_type!r}")
+        raise ValueError(f"encode_rows takes bfloat16, float16 or int8 rows, got {row_type!r}")
     out = np.zeros((*rows.shape[:-1], row_elems(n, "int8")), np.uint32)
     if n:
         # max |row| without a |rows| temporary; abs: a zero row's scale is +0, not -0
@@ -63,13 +68,23 @@ def decode_rows(elems: np.ndarray, features: int, row_type: str) -> np.ndarray:
     elems = np.ascontiguousarray(elems).view(np.uint32)
     if row_type == "bfloat16":
         return bfloat16_bits_to_float32(elems.view("<u2")[..., :features])
+    if row_type == "float16":
+        return elems.view("<f2")[..., :features].astype(np.float32)
     if row_type != "int8":
-        raise ValueError(f"decode_rows takes bfloat16 or int8 rows, got {row_type!r}")
+        raise ValueError(f"decode_rows takes bfloat16, float16 or int8 rows, got {row_type!r}")
     if not features:
         return np.zeros((*elems.shape[:-1], 0), np.float32)
     scale = elems[..., :1].view(np.float32)
     q = np.ascontiguousarray(elems[..., 1:]).view(np.int8)[..., :features]
     return scale * q.astype(np.float32)
+
+
+def half_bits(values: np.ndarray, row_type: str) -> np.ndarray:
+    """uint16 bit patterns of float32 values as bfloat16 or float16 (nearest even)."""
+    if row_type == "bfloat16":
+        return float32_to_bfloat16_bits(values)
+    with np.errstate(over="ignore"):  # past +-65504: inf (adapters/bounds.py refuses those)
+        return np.asarray(values, np.float32).astype("<f2").view("<u2")
 
 
 def served(values: np.ndarray, row_type: str | None) -> np.ndarray:

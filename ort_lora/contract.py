@@ -58,12 +58,13 @@ layer targeting only some of them has a node for those. Output m is exactly the 
 op's on module m's inputs (numpy: ort_lora/ops/lora_sgmv_ref.py lora_sgmv_modules): the node
 shares the shrink's pass over x and the call's fixed cost, not the numbers. --device cuda
 graphs keep one node per module (the CUDA op takes one). The graph inputs are the same.
-Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16" or "int8" in a
-float32 (CPU) pool (ort_lora/adapter_rows.py): bfloat16 rows hold two values per pool element
-(the first in its low 16 bits), a row of n values occupying ceil(n / 2) elements; int8 rows
-start with their float32 scale, then four int8 values per element (value = scale * q), 1 +
-ceil(n / 4) elements. Every LoraSGMV node then carries the attribute adapter_dtype = 16
-(TensorProto.BFLOAT16) or 3 (TensorProto.INT8). Offsets still count pool elements.
+Rows hold the pool's dtype, except with manifest.adapter_dtype "bfloat16", "float16" or "int8"
+in a float32 (CPU) pool (ort_lora/adapter_rows.py): bfloat16 and float16 rows hold two values
+per pool element (the first in its low 16 bits), a row of n values occupying ceil(n / 2)
+elements; int8 rows start with their float32 scale, then four int8 values per element (value =
+scale * q), 1 + ceil(n / 4) elements. Every LoraSGMV node then carries the attribute
+adapter_dtype = 16 (TensorProto.BFLOAT16), 10 (TensorProto.FLOAT16) or 3 (TensorProto.INT8).
+Offsets still count pool elements.
 
 Quantized base weights (manifest.quantization, --weights int4|int8; CPU, float32 activations
 and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks of
@@ -220,7 +221,7 @@ class ModelManifest:
     ops_version: str = OPS_VERSION  # the graph's op set as exported (OPS_VERSION)
     source: str = ""
     extra: dict = field(default_factory=dict)
-    # None: rows in the pool's dtype; "bfloat16" or "int8" rows in a float32 pool
+    # None: rows in the pool's dtype; "bfloat16", "float16" or "int8" rows in a float32 pool
     adapter_dtype: str | None = None
     # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
     fused_modules: dict[str, list[str]] = field(default_factory=dict)
@@ -234,12 +235,13 @@ class ModelManifest:
     quantization: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.adapter_dtype not in (None, "bfloat16", "int8") or (
+        if self.adapter_dtype not in (None, "bfloat16", "float16", "int8") or (
             self.adapter_dtype is not None and self.dtype != "float32"
         ):
             raise ValueError(
                 f"adapter_dtype {self.adapter_dtype!r} with dtype {self.dtype}: expected None "
-                "(adapter rows in the pool's dtype), or 'bfloat16' or 'int8' with a float32 pool"
+                "(adapter rows in the pool's dtype), or 'bfloat16', 'float16' or 'int8' with a "
+                "float32 pool"
             )
         if self.quantization and (
             self.quantization.get("weights") not in ("int4", "int8")

@@ -16,7 +16,7 @@ from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 576, 1537])
 def test_row_elems(n):
     assert row_elems(n, None) == row_elems(n, "float32") == n
-    assert row_elems(n, "bfloat16") == (n + 1) // 2
+    assert row_elems(n, "bfloat16") == row_elems(n, "float16") == (n + 1) // 2
     assert row_elems(n, "int8") == 1 + (n + 3) // 4
     assert row_elems(0, "int8") == 0
 
@@ -61,6 +61,28 @@ def test_bfloat16_rows_are_pairs_low_half_first(n, rng):
     np.testing.assert_array_equal(served(rows, None), rows)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_float16_rows_are_ieee_pairs_low_half_first(n, rng):
+    rows = rng.standard_normal((4, n)).astype(np.float32)
+    elems = encode_rows(rows, "float16")
+    assert elems.shape == (4, row_elems(n, "float16"))
+    halves = rows.astype(np.float16).view(np.uint16)  # IEEE binary16, nearest even
+    np.testing.assert_array_equal(elems[:, 0] & 0xFFFF, halves[:, 0])
+    if n > 1:
+        np.testing.assert_array_equal(elems[:, 0] >> 16, halves[:, 1])
+    np.testing.assert_array_equal(decode_rows(elems, n, "float16"), rows.astype(np.float16))
+
+
+def test_float16_rows_serve_float16_values_exactly():
+    """Every finite float16 (subnormals, the largest, both signs) comes back as it went in: an
+    adapter saved in float16 is served exactly by float16 rows."""
+    values = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    values = values[np.isfinite(values)].astype(np.float32).reshape(-1, 4)
+    np.testing.assert_array_equal(served(values, "float16"), values)
+    rounded = served(np.array([[1 + 2**-12, 2**-25, 70000.0]], np.float32), "float16")
+    assert rounded[0, 0] == 1 and rounded[0, 1] == 0 and np.isinf(rounded[0, 2])
+
+
 def test_unknown_row_type():
-    with pytest.raises(ValueError, match="bfloat16 or int8"):
+    with pytest.raises(ValueError, match="bfloat16, float16 or int8"):
         encode_rows(np.zeros((1, 4), np.float32), "int4")

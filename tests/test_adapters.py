@@ -112,10 +112,10 @@ def pool_delta(pool, inputs, slot, module, layer, x, row_type=None):
     return s * (x @ a.T) @ bt  # [T, out]
 
 
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "float16", "int8"])
 def test_matches_peft_for_every_module_and_layer(adapters, adapter_dtype):
     """Rows written to the pool, read back at the step's offsets, give PEFT's LoRA delta
-    (bfloat16 / int8 rows: PEFT with the weights rounded as served, float32 arithmetic)."""
+    (16-bit / int8 rows: PEFT with the weights rounded as served, float32 arithmetic)."""
     root, models = adapters
     models = {name: served_lora(m, adapter_dtype) for name, m in models.items()}
     man = manifest(adapter_dtype=adapter_dtype)
@@ -179,7 +179,7 @@ def test_step_inputs_shapes_and_defaults(adapters):
     assert all(np.array_equal(by_name[k], v) for k, v in step.items())
 
 
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "float16", "int8"])
 def test_rows_stay_inside_pages_and_halves(adapters, adapter_dtype):
     root, _ = adapters
     man = manifest(adapter_dtype=adapter_dtype)

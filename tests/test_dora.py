@@ -117,12 +117,12 @@ def placed(reg, name, aid, adapter_dtype, rng):
     return pool, reg.lora_step_inputs([(0, aid, pages)], NUM_PAGES)
 
 
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("name", list(DORA_ADAPTERS))
 def test_pool_rows_give_peft_scale_and_output(dora_adapters, name, adapter_dtype, rng):
     """For every module and layer: 1 + D read from the pool at the step's dora offset is PEFT's
     scale, and (1 + D) (W x + s B A x) - W x is PEFT's DoRA delta lin(x) - base(x); layers and
-    modules without LoRA have no scale. bfloat16 / int8 rows: PEFT with A and B rounded as
+    modules without LoRA have no scale. bfloat16 / float16 / int8 rows: PEFT with A and B rounded as
     served (the norm is the served rows'), D within its own rounding (relative to D)."""
     root, models = dora_adapters
     model = served_lora(models[name], adapter_dtype)
@@ -130,8 +130,8 @@ def test_pool_rows_give_peft_scale_and_output(dora_adapters, name, adapter_dtype
     reg = AdapterRegistry(man, base_weights=TorchBase(model))
     reg.register(LoRARequest(name, 1, str(root / name)))
     pool, inputs = placed(reg, name, 1, adapter_dtype, rng)
-    # D's relative rounding: bfloat16's 8 bits, or int8's half step of the row's peak
-    bits = {None: 0, "bfloat16": 2**-8, "int8": 0.5 / 127}[adapter_dtype]
+    # D's relative rounding: bfloat16's 8 bits, float16's 11, or int8's half step of the peak
+    bits = {None: 0, "bfloat16": 2**-8, "float16": 2**-11, "int8": 0.5 / 127}[adapter_dtype]
     checked = 0
     for module in LORA_MODULES:
         offset = int(inputs[lora_input_name(module, "dora_offsets")][0])

@@ -52,13 +52,14 @@ def test_verify_fails_against_other_weights(tiny_llama_checkpoint, tmp_path, mon
 
 
 def test_adapter_dtype_marks_every_lora_node(tiny_llama_checkpoint, tmp_path):
-    """--adapter-dtype bfloat16 / int8: every LoraSGMV node says so (TensorProto.BFLOAT16 =
-    16, INT8 = 3) and the manifest records it; the default export carries no such attribute."""
+    """--adapter-dtype bfloat16 / float16 / int8: every LoraSGMV node says so
+    (TensorProto.BFLOAT16 = 16, FLOAT16 = 10, INT8 = 3) and the manifest records it; the
+    default export carries no such attribute."""
     import onnx
 
     from ort_lora.contract import ModelManifest
 
-    names = {16: "bfloat16", 3: "int8", None: None}
+    names = {16: "bfloat16", 10: "float16", 3: "int8", None: None}
     for want, name in names.items():
         flag = ["--adapter-dtype", name] if name else []
         out = tmp_path / f"out{want}"

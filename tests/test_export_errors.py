@@ -120,7 +120,7 @@ def test_force_never_replaces_a_foreign_directory(tiny_llama_checkpoint, tmp_pat
         ({"block_size": 2}, "--block-size >= 4"),  # 2 * 2 * 16 = 64 < 128
         ({"block_size": 0}, "positive integer"),
         ({"device": "cuda", "dtype": "float16"}, "power of two >= 16"),  # block 8
-        ({"adapter_dtype": "float16"}, "adapter dtype 'float16' is not supported on device cpu"),
+        ({"adapter_dtype": "int4"}, "adapter dtype 'int4' is not supported on device cpu"),
         (
             {"device": "cuda", "dtype": "float16", "block_size": 16, "adapter_dtype": "bfloat16"},
             "use float16",

@@ -4,11 +4,11 @@ Plain segments, DoRA segments (a DoRA row scales the segment's rows) and compose
 (several weighted adapters over one segment's rows), mixed in one call with base rows. The
 10-input node (no composition, no DoRA: what exports before them carry) and the 14-input node
 both run. Every test runs for each adapter-row type: float32 pool elements (no attribute),
-bfloat16 packed two per pool element (attribute adapter_dtype = 16), and int8 with a float32
-scale first in each row (adapter_dtype = 3; ort_lora/adapter_rows.py). Every case draws fresh
-random data from the `rng` fixture (seeded from the test id, the seed reported on failure); the
-pool is NaN outside the adapter rows, so a kernel reading anywhere else fails the comparison.
-The reference reads the same stored bfloat16 / int8 values, so every row type shares the
+bfloat16 or float16 packed two per pool element (attribute adapter_dtype = 16 or 10), and int8
+with a float32 scale first in each row (adapter_dtype = 3; ort_lora/adapter_rows.py). Every case
+draws fresh random data from the `rng` fixture (seeded from the test id, the seed reported on
+failure); the pool is NaN outside the adapter rows, so a kernel reading anywhere else fails the
+comparison. The reference reads the same stored 16-bit / int8 values, so every row type shares the
 float32-accumulation tolerance (int8: the kernel folds the rows' scales into the shrink scale).
 """
 
@@ -43,11 +43,12 @@ OPTIONAL_INPUTS = [  # composition entries [E] and DoRA rows [num_slots]
     ("dora_offsets", TensorProto.INT64, 1),
 ]
 # Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
-RTOL = {"float32": 1e-5, "bfloat16": 1e-5, "int8": 1e-5}
+RTOL = {"float32": 1e-5, "bfloat16": 1e-5, "float16": 1e-5, "int8": 1e-5}
 # Adapter-row dtype -> node attributes: float32 rows are the default (no attribute).
-ATTRS = {"float32": {}} | {t: {"adapter_dtype": ADAPTER_DTYPES[t]} for t in ("bfloat16", "int8")}
+ATTRS = {"float32": {}} | {t: {"adapter_dtype": ADAPTER_DTYPES[t]} for t in list(RTOL)[1:]}
 # Adapter-row dtype -> how an out-of-range error counts a row's length.
-ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16", "int8": r"int8 \(scale first"}
+ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16", "float16": "float16",
+            "int8": r"int8 \(scale first"}  # fmt: skip
 each_dtype = pytest.mark.parametrize("dtype", list(RTOL))
 
 
@@ -244,6 +245,24 @@ def test_unused_slot_offsets_are_not_read(dtype, rng):
     check(feeds, dtype)
 
 
+@pytest.mark.parametrize("in_f", [64, 37])
+def test_float16_rows_widen_every_magnitude_exactly(in_f, rng):
+    """float16 rows holding values from subnormals (2^-24) to 2^16, either sign: decode rows
+    (converted as loaded, 16 or 8 lanes at a time), a prefill segment (widened once per call)
+    and odd lengths (the scalar tail) all read the values the reference decodes."""
+    feeds = make_case(rng, "float16", [1, 1, 12, 1], [0, 1, 2, -1], [8, 4, 16], in_f, 96)
+    halves = [feeds[c].reshape(-1).view("<u2") for c in ("key_cache", "value_cache")]
+    size = feeds["key_cache"].size
+    for table, n in (("a_offsets", in_f), ("b_offsets", 96)):
+        for o in feeds[table][feeds[table] >= 0]:
+            exponent = rng.integers(0, 32, n) % 31  # 0: subnormal (or zero); never inf / NaN
+            bits = (rng.integers(0, 2, n) << 15) | (exponent << 10) | rng.integers(0, 1024, n)
+            start = 2 * (int(o) % size)
+            halves[int(o) >= size][start : start + n] = bits.astype(np.uint16)
+    feeds["x"] *= 2.0**-8  # products of 2^16-scale A values stay far from float32's limits
+    check(feeds, "float16")
+
+
 def move_row(feeds, dtype, table, slot, j, features, new_offset):
     """Copies one row's pool elements to new_offset (NaN there before) and points the table
     at it."""
@@ -290,7 +309,7 @@ def test_row_overrunning_its_half(dtype, table, features, rng):
         session(0, dtype).run(None, feeds)
 
 
-@pytest.mark.parametrize("value", [0, 10, 11, 2])
+@pytest.mark.parametrize("value", [0, 11, 2, 5])
 def test_bad_adapter_dtype_attribute(value):
     expected = rf"attribute 'adapter_dtype' = {value} is not supported by the CPU op: it must be 1"
     with pytest.raises(Exception, match=expected):
@@ -431,7 +450,10 @@ def test_a_composed_term_of_rank_0_at_the_layer(dtype, rng):
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
-    cases = "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora"
+    cases = (
+        "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora or "
+        "every_magnitude"
+    )
     assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
 

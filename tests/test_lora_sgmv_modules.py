@@ -35,7 +35,7 @@ SHARED = [("x", F32, 2), ("key_cache", F32, 4), ("value_cache", F32, 4),
 COMP = [("comp_segs", I32, 1), ("comp_slots", I32, 1), ("comp_weights", F32, 1)]
 TABLES = [("a_offsets", I64, 2), ("b_offsets", I64, 2), ("ranks", I32, 2), ("scales", F32, 2),
           ("dora_offsets", I64, 1)]  # fmt: skip
-ATTRS = {"float32": {}} | {t: {"adapter_dtype": ADAPTER_DTYPES[t]} for t in ("bfloat16", "int8")}
+ATTRS = {t: {"adapter_dtype": code} if t != "float32" else {} for t, code in ADAPTER_DTYPES.items()}
 DTYPES = list(ATTRS)
 RTOL = 1e-5  # float32 accumulation vs the float64 reference on the same stored row values
 

@@ -98,9 +98,11 @@ const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const ch
   at << "] = " << offset << " is an out-of-range page: a row of ";
   if (pool.rows != SgmvRowLayout::kPoolType)
     Fail(at.str(), features,
-         pool.rows == SgmvRowLayout::kInt8Scaled ? " int8 (scale first, " : " bfloat16 (", len,
-         " pool elements) must lie inside key_cache [0, ", half, ") or value_cache [", half, ", ",
-         2 * half, ")");
+         pool.rows == SgmvRowLayout::kInt8Scaled     ? " int8 (scale first, "
+         : pool.rows == SgmvRowLayout::kFloat16Pairs ? " float16 ("
+                                                     : " bfloat16 (",
+         len, " pool elements) must lie inside key_cache [0, ", half, ") or value_cache [", half,
+         ", ", 2 * half, ")");
   Fail(at.str(), len, " elements must lie inside key_cache [0, ", half, ") or value_cache [", half,
        ", ", 2 * half, ")");
 }

@@ -60,12 +60,14 @@ enum class SgmvRowLayout : int {
   kBFloat16Pairs = 1,  // CPU adapter_dtype 16: bfloat16 values, two per float32 pool element
   kInt8Scaled = 2,     // CPU adapter_dtype 3: the row's float32 scale, then its int8 values
                        // four per pool element (value = scale * q)
+  kFloat16Pairs = 3,   // CPU adapter_dtype 10: IEEE float16 values, two per float32 element
 };
 
 // Pool elements one row of `features` values spans.
 inline int64_t SgmvRowElems(SgmvRowLayout layout, int64_t features) {
   switch (layout) {
     case SgmvRowLayout::kBFloat16Pairs:
+    case SgmvRowLayout::kFloat16Pairs:
       return (features + 1) / 2;
     case SgmvRowLayout::kInt8Scaled:
       return features == 0 ? 0 : 1 + (features + 3) / 4;

@@ -1,5 +1,5 @@
-// LoraSGMV CPU kernel (float32, adapter rows float32, bfloat16 or int8): balanced work items,
-// register-blocked micro-kernels written with GCC vector extensions, compiled three times
+// LoraSGMV CPU kernel (float32, adapter rows float32, bfloat16, float16 or int8): balanced work
+// items, register-blocked micro-kernels written with GCC vector extensions, compiled three times
 // (AVX-512, AVX2+FMA, baseline x86-64) for each row type and selected at run time, so the
 // library runs on any x86-64 without -march=native.
 #include "lora_sgmv/lora_sgmv_cpu.h"
@@ -57,6 +57,45 @@ ORT_LORA_INLINE V Load(const uint16_t* p) {
   w <<= 16;
   V v;
   __builtin_memcpy(&v, &w, sizeof(V));
+  return v;
+}
+
+// An IEEE float16 row value: its bit pattern, a type of its own so that the kernels can tell
+// float16 rows (Half) from bfloat16 rows (uint16_t).
+struct Half {
+  uint16_t bits;
+};
+
+// float16 -> float32, exact for every value (subnormals, infinities, NaN): the scalar tails and
+// the baseline clone. The AVX2 / AVX-512 clones convert lanes with vcvtph2ps (F16C: every CPU
+// with AVX2 has it).
+ORT_LORA_INLINE float ToFloat(Half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  const uint32_t exponent = (h.bits >> 10) & 0x1Fu, mantissa = h.bits & 0x3FFu;
+  uint32_t w;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    __builtin_memcpy(&w, &magnitude, sizeof(w));
+    w |= sign;
+  } else if (exponent == 0x1F) {  // infinity or NaN
+    w = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    w = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+template <typename V>
+ORT_LORA_INLINE V Load(const Half* p) {
+  V v;
+  if constexpr (sizeof(V) >= 32) {
+    // As for bfloat16 rows: only in the AVX2 / AVX-512 clones, through a register operand.
+    asm("vcvtph2ps (%1), %0" : "=v"(v) : "r"(p));
+  } else {
+    for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = ToFloat(p[i]);
+  }
   return v;
 }
 
@@ -241,10 +280,10 @@ ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const v
 // Columns of x and A per pass: a 4-row group of A and a 4-row tile of x then fit in L1.
 constexpr int64_t kShrinkKBlock = 1024;
 
-// dst[0:len] = the row src (bfloat16 bits, or an int8 row's scale and values) widened to
-// float32.
-template <typename V>
-ORT_LORA_INLINE void WidenRow(const uint16_t* src, int64_t len, float* dst) {
+// dst[0:len] = the row src (bfloat16 or float16 bits, or an int8 row's scale and values)
+// widened to float32.
+template <typename V, typename R>
+ORT_LORA_INLINE void WidenRow(const R* src, int64_t len, float* dst) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   int64_t c = 0;
   for (; c + kLanes <= len; c += kLanes) Store<V>(dst + c, Load<V>(src + c));
@@ -406,7 +445,8 @@ ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index) {
 }
 
 // One clone per instruction set and row type; the vector width follows the widest registers
-// available. R = float (float32 rows), uint16_t (bfloat16 rows) or int8_t (int8 rows).
+// available. R = float (float32 rows), uint16_t (bfloat16 rows), Half (float16 rows) or int8_t
+// (int8 rows).
 template <typename R>
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(SgmvCpuPlan& p, size_t i) {
   ShrinkItem<V16, R>(p, i);
@@ -446,13 +486,14 @@ void WidenBase(SgmvCpuPlan& p, size_t i) {
 
 using ItemFn = void (*)(SgmvCpuPlan&, size_t);
 struct PassFns {
-  ItemFn widen;  // bfloat16 and int8 rows only
+  ItemFn widen;  // bfloat16, float16 and int8 rows only
   ItemFn shrink;
   ItemFn expand;
 };
 struct Kernels {
   PassFns f32;   // float32 rows
   PassFns bf16;  // bfloat16 rows
+  PassFns f16;   // float16 rows
   PassFns i8;    // int8 rows
 };
 
@@ -466,13 +507,16 @@ Kernels SelectKernels() {
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
     return {{nullptr, ShrinkAvx512<float>, ExpandAvx512<float>},
             {WidenAvx512<uint16_t>, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>},
+            {WidenAvx512<Half>, ShrinkAvx512<Half>, ExpandAvx512<Half>},
             {WidenAvx512<int8_t>, ShrinkAvx512<int8_t>, ExpandAvx512<int8_t>}};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {{nullptr, ShrinkAvx2<float>, ExpandAvx2<float>},
             {WidenAvx2<uint16_t>, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>},
+            {WidenAvx2<Half>, ShrinkAvx2<Half>, ExpandAvx2<Half>},
             {WidenAvx2<int8_t>, ShrinkAvx2<int8_t>, ExpandAvx2<int8_t>}};
   return {{nullptr, ShrinkBase<float>, ExpandBase<float>},
           {WidenBase<uint16_t>, ShrinkBase<uint16_t>, ExpandBase<uint16_t>},
+          {WidenBase<Half>, ShrinkBase<Half>, ExpandBase<Half>},
           {WidenBase<int8_t>, ShrinkBase<int8_t>, ExpandBase<int8_t>}};
 }
 
@@ -503,9 +547,10 @@ void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
   SgmvCpuPlan& plan = CallerPlan();
   PlanSgmvCpu(problem, plan);
-  const PassFns& fns = problem.row_type == SgmvRowLayout::kBFloat16Pairs ? kernels.bf16
-                       : problem.row_type == SgmvRowLayout::kInt8Scaled  ? kernels.i8
-                                                                         : kernels.f32;
+  const PassFns& fns = problem.row_type == SgmvRowLayout::kBFloat16Pairs  ? kernels.bf16
+                       : problem.row_type == SgmvRowLayout::kFloat16Pairs ? kernels.f16
+                       : problem.row_type == SgmvRowLayout::kInt8Scaled   ? kernels.i8
+                                                                          : kernels.f32;
   auto pass = [&plan](ItemFn fn) { return [&plan, fn](size_t i) { fn(plan, i); }; };
   RunPass(plan.widen.size(), plan.widen_cost, parallel_for, pass(fns.widen));
   if (plan.fused.empty()) {

@@ -1,6 +1,6 @@
-// LoraSGMV CPU kernel launcher (float32 x and y; adapter rows float32, bfloat16 or int8). No
-// ONNX Runtime types: the op (lora_sgmv_op.cc) validates the inputs, resolves pool offsets to
-// row pointers and calls LoraSgmvCpu.
+// LoraSGMV CPU kernel launcher (float32 x and y; adapter rows float32, bfloat16, float16 or
+// int8). No ONNX Runtime types: the op (lora_sgmv_op.cc) validates the inputs, resolves pool
+// offsets to row pointers and calls LoraSgmvCpu.
 //
 // Punica-style split in two passes over balanced work items:
 //   shrink  v[t, j]    = scale_j * x[t] . A_j              [n, R] per segment
@@ -14,8 +14,8 @@
 // scale * weight. Decode calls run shrink and expand as one pass of per-segment groups.
 // The micro-kernels exist for AVX-512, AVX2+FMA and baseline x86-64, picked once per process
 // from the CPU; the environment variable ORT_LORA_SGMV_ISA=avx2|baseline caps the choice
-// (tests use it to run the narrower kernels). Each clone exists for float32, bfloat16 and int8
-// rows; bfloat16 and int8 rows are widened to float32 as they are loaded (int8: the rows'
+// (tests use it to run the narrower kernels). Each clone exists for float32, bfloat16, float16
+// and int8 rows; 16-bit and int8 rows are widened to float32 as they are loaded (int8: the rows'
 // scales folded into the shrink scale, v[t, j] = scale_j * sA_j * sB_j * x[t] . qA_j, and a
 // DoRA row's scale applied as D is loaded), or, for segments of 8+ rows (prefill), once per
 // call into aligned scratch (lora_sgmv_plan.h). Accumulation: float32. Rows are read with the

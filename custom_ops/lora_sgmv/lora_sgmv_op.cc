@@ -164,13 +164,17 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
       rows_ = SgmvRowLayout::kBFloat16Pairs;
       break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      rows_ = SgmvRowLayout::kFloat16Pairs;
+      break;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
       rows_ = SgmvRowLayout::kInt8Scaled;
       break;
     default:
       Fail("attribute 'adapter_dtype' = ", dtype,
            " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows), 16 (BFLOAT16, "
-           "bfloat16 rows in the float32 pool) or 3 (INT8, int8 rows with a float32 scale each)");
+           "bfloat16 rows in the float32 pool), 10 (FLOAT16, float16 rows in the float32 pool) "
+           "or 3 (INT8, int8 rows with a float32 scale each)");
   }
 }
 

@@ -62,6 +62,7 @@
 //       its low 16 bits), bfloat16 elements [2 o, 2 o + len), widened exactly (bits << 16);
 //       it spans ceil(len / 2) pool elements, all inside key_cache or inside value_cache (an
 //       odd len leaves one padding bfloat16, never read). Accumulation stays float32.
+//     10 (FLOAT16): as 16, the values IEEE float16 (binary16), widened exactly.
 //     3 (INT8): rows are int8 with one float32 scale per row. The row at pool element o is
 //       scale = element o (float32), then int8 values q[0:len] from byte 4 (o + 1) of the
 //       region (four per pool element, the first in the low byte; the last element padded);
@@ -90,7 +91,7 @@ struct LoraSgmvKernel {
   void Compute(OrtKernelContext* context);
   int64_t layer_;
   int modules_;         // attribute modules: outputs of the node
-  SgmvRowLayout rows_;  // attribute adapter_dtype: 1 float32, 16 bfloat16, 3 int8 rows
+  SgmvRowLayout rows_;  // attribute adapter_dtype: 1 float32, 16 bfloat16, 10 float16, 3 int8
 };
 
 struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {

@@ -2,7 +2,7 @@
 // short segments) and a prefill call (few long segments) both give the thread pool work of
 // about equal cost. No ONNX Runtime types; used by lora_sgmv_cpu.cc only.
 //
-// Passes, in order: widen (bfloat16 or int8 rows of long segments -> float32 scratch, one item
+// Passes, in order: widen (16-bit or int8 rows of long segments -> float32 scratch, one item
 // per segment), shrink (v = scales * x A^T over every
 // module's A rows), expand (per module: y_out = (y + v B^T) (1 + D), and copies of the rows
 // left as y when y_out is another buffer). Decode calls (many short segments) run shrink and
@@ -56,8 +56,8 @@ struct SgmvCpuPlan {
   int64_t expand_cost = 0;
 };
 
-// Long bfloat16 and int8 segments (prefill) are widened to float32 once per call and run the
-// float32 tiles: a value is converted once, not once per tile of x rows. Short ones (decode)
+// Long bfloat16, float16 and int8 segments (prefill) are widened to float32 once per call and run
+// the float32 tiles: a value is converted once, not once per tile of x rows. Short ones (decode)
 // convert as they load, reading a half or a quarter of the bytes.
 constexpr int64_t kWidenMinRows = 8;
 constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call

@@ -14,6 +14,7 @@ namespace ort_lora {
 // What a row pointer (A, B^T, D) points at, by the call's SgmvRowLayout:
 //   kPoolType       const float*: `len` floats (the CPU pool is float32)
 //   kBFloat16Pairs  const uint16_t*: `len` bfloat16 bit patterns, little-endian, any alignment
+//   kFloat16Pairs   the same with IEEE float16 bit patterns
 //   kInt8Scaled     const float*: the row's scale, then `len` int8 values q from the next byte
 //                   (value = scale * q); the shrink folds the scales of A and B^T rows into its
 //                   result, the expand applies a DoRA row's as it loads D, and the plan widens

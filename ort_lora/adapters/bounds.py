@@ -1,6 +1,6 @@
 """Numeric bounds of an adapter, checked once when it is loaded: every number LoraSGMV
 multiplies stays finite in float32, the kernel's arithmetic, and in the type the rows are
-stored in (manifest dtype, or adapter_dtype "bfloat16" / "int8" in a float32 pool).
+stored in (manifest dtype, or adapter_dtype "bfloat16", "float16" or "int8" in a float32 pool).
 
 LoraSGMV computes, per module, layer and term (adapter of scale s = lora_alpha / r, composed
 at weight w; w = 1 alone) on a token's x [in]:
@@ -16,7 +16,7 @@ the module, the layer and the rule) when a stored value is not finite in its sto
 B A fits a float16 pool too). With |w| <= lora_request.MAX_WEIGHT (1e3), a term then adds at
 most 1e9 * ||x|| to an output: float32 (3.4e38) cannot overflow for any activation a model that
 works has (||x|| < 1e25 even with 64 adapters composed). Gains are computed in float64 from the
-float32 rows; bfloat16 and int8 rounding change them by under 1%.
+float32 rows; bfloat16, float16 and int8 rounding change them by under 1%.
 """
 
 from __future__ import annotations

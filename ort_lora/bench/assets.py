@@ -229,7 +229,7 @@ def ort_lora_int4(
     adapter_dtype: str = "float32",
     int4_op: str = "QuantMatMul",
 ) -> Path:
-    """ort-lora's int4 export (all seven LoRA targets; adapter rows float32, bfloat16 or int8):
+    """ort-lora's int4 export (all seven LoRA targets; adapter rows of any row type):
     SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
     model), other models from the HF checkpoint (round-to-nearest). int4_op: the op of its
     4-bit linears (QuantMatMul, the default model's, or ONNX Runtime's MatMulNBits)."""

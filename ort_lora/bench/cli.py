@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adapter-dtype",
         default="float32",
-        choices=["float32", "bfloat16", "int8"],
+        choices=["float32", "bfloat16", "float16", "int8"],
         help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype)",
     )
     p.add_argument(

@@ -52,9 +52,9 @@ def parser() -> argparse.ArgumentParser:
         "--adapter-dtype",
         default=None,
         choices=("float32", "float16", "bfloat16", "int8"),
-        help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 (half "
-        "the adapter bytes per step) or int8 (a quarter: one float32 scale per row); float32 "
-        "accumulation",
+        help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 or "
+        "float16 (half the adapter bytes per step; exact for adapters saved in that type) or "
+        "int8 (a quarter: one float32 scale per row); float32 accumulation",
     )
     p.add_argument(
         "--block-size",

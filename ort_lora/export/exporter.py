@@ -55,8 +55,9 @@ def export_model(
     dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
     block_size: KV block size; None: default_block_size(device, head_dim).
     adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu, "int8"
-        (a float32 scale per row, a quarter of the bytes LoraSGMV reads per step) or
-        "bfloat16" (half the bytes LoraSGMV reads per step; float32 accumulation).
+        (a float32 scale per row, a quarter of the bytes LoraSGMV reads per step), "bfloat16"
+        or "float16" (half the bytes; exact for adapters saved in that type); float32
+        accumulation.
     weights: None or the float dtype (weights in `dtype`), or "int4" / "int8" (cpu): base
         weights as MatMulNBits blocks of `quant_block_size` values (quantizer.py); adapters
         and activations stay float32.
@@ -215,13 +216,13 @@ def _check_device_dtype(device: str, dtype: str) -> None:
 
 
 def _check_adapter_dtype(device: str, dtype: str, adapter_dtype: str | None) -> str | None:
-    """None (rows in the pool's dtype) or, on cpu, "bfloat16" or "int8" rows in the float32
-    pool."""
+    """None (rows in the pool's dtype) or, on cpu, "bfloat16", "float16" or "int8" rows in the
+    float32 pool."""
     if adapter_dtype is None or adapter_dtype == dtype:
         return None
-    if device == "cpu" and adapter_dtype in ("bfloat16", "int8"):
+    if device == "cpu" and adapter_dtype in ("bfloat16", "float16", "int8"):
         return adapter_dtype
-    allowed = "float32, bfloat16 or int8" if device == "cpu" else dtype
+    allowed = "float32, bfloat16, float16 or int8" if device == "cpu" else dtype
     raise ExportError(
         f"adapter dtype {adapter_dtype!r} is not supported on device {device} with dtype "
         f"{dtype}; use {allowed}"

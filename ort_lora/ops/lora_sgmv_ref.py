@@ -4,8 +4,9 @@
 oracle its tests compare the kernel with; `lora_sgmv_modules` that of a node serving several
 modules that read one x (attribute modules). `place_random_adapters` lays adapters' A and B^T rows
 out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
-for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16" or
-"int8") rows of those types in the float32 pool, laid out as ort_lora/adapter_rows.py says.
+for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16",
+"float16" or "int8") rows of those types in the float32 pool, laid out as
+ort_lora/adapter_rows.py says.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ort_lora.adapter_rows import ROW_TYPES, decode_rows, encode_rows, row_elems
+from ort_lora.adapter_rows import HALF_TYPES, ROW_TYPES, decode_rows, encode_rows, row_elems
 
 ADAPTER_DTYPES = ROW_TYPES  # name -> LoraSGMV attribute adapter_dtype
-BF16_NAN_PAIR = 0x7FC07FC0  # a float32 NaN whose two bfloat16 halves are NaN as well
+BF16_NAN_PAIR = 0x7FC07FC0  # a float32 NaN whose two 16-bit halves are NaN as bfloat16 and float16
 
 
 def _check_adapter_dtype(adapter_dtype: str) -> None:
@@ -93,6 +94,8 @@ def lora_sgmv(
       element o holds bfloat16 values: region viewed as uint16 (little-endian), elements
       [2 o, 2 o + len), widened exactly (bits << 16); it spans ceil(len / 2) pool elements,
       which must lie inside key_cache or value_cache.
+    adapter_dtype="float16" (attribute adapter_dtype = 10): as bfloat16, the 16-bit values
+      IEEE float16 (widened exactly).
     adapter_dtype="int8" (attribute adapter_dtype = 3): element o is the row's float32 scale,
       then int8 values q from byte 4 (o + 1), value = scale * q; it spans 1 + ceil(len / 4)
       pool elements.
@@ -207,7 +210,7 @@ def _write_row(dst: np.ndarray, values: np.ndarray, adapter_dtype: str) -> None:
     if adapter_dtype == "float32":
         dst[...] = values
         return
-    if adapter_dtype == "bfloat16":  # value halves only: an odd row's padding half stays NaN
+    if adapter_dtype in HALF_TYPES:  # value halves only: an odd row's padding half stays NaN
         dst.view(np.uint16)[: values.size] = encode_rows(values, adapter_dtype).view("<u2")[
             : values.size
         ]
@@ -250,6 +253,7 @@ def place_random_adapters(
     adapter_dtype="bfloat16": rows hold the values rounded to bfloat16 (nearest even), packed
     two per pool element; offsets and gaps count pool elements, a row of odd length ends with
     one bfloat16 of padding (NaN), and every other pool element is NaN in both halves.
+    adapter_dtype="float16": as bfloat16, rounded to IEEE float16.
     adapter_dtype="int8": rows hold the values quantized per row (scale, then int8 values,
     the last element zero-padded).
     """
