@@ -82,15 +82,26 @@ def run_times(fn, reps: int, clock, warmup: int = 3) -> tuple[float, float]:
     return float(np.median(times)), float(np.min(times))
 
 
+# Each ORT session has its own intra-op thread pool, whose workers spin for a while after a run
+# before they sleep: a session run right after another one shares the cores with those spinning
+# workers (a 2-thread LoraSGMV step measured 2x slower on 2 cores). With more than one thread,
+# paired_times waits this long before each timed run, so that the workers of the variant before
+# are asleep (2 ms was too short, 20 ms enough).
+SETTLE_S = 0.02
+
+
 def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, float]]:
     """(median, min) time of each fn, the fns run in turn within every rep, so a busy phase of
-    a shared machine slows them all alike (for ratios between them)."""
+    a shared machine slows them all alike (for ratios between them); with THREADS > 1, after
+    SETTLE_S of quiet before each timed run."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
     for _ in range(reps):
         for fn, t in zip(fns, times, strict=True):
+            if THREADS > 1:
+                time.sleep(SETTLE_S)
             t0 = clock()
             fn()
             t.append(clock() - t0)
