@@ -74,9 +74,9 @@ def plot(summary: dict, path: Path) -> None:
         goal = next(iter(variants.values()))["goal"]
         if goal is not None:
             ax.axhline(goal, color="#d62728", linestyle="--", linewidth=1, label=f"goal {goal}")
+            ax.legend(fontsize=7)
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(what, fontsize=8)
-        ax.legend(fontsize=7)
     for row in axes:
         row[0].set_ylabel("ratio (wall; bar: median, dots: runs)", fontsize=8)
     fig.tight_layout()
