@@ -26,7 +26,7 @@ import sys
 
 # bench_ops sets the BLAS thread count before numpy is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import THREADS, aligned, machine_info, paired_times, save_result  # noqa: E402, I001
+from bench_ops import THREADS, aligned, paired_times, save_result  # noqa: E402, I001
 
 import argparse  # noqa: E402
 import threading  # noqa: E402
@@ -313,13 +313,7 @@ def main(argv=None) -> int:
         cells = [f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]:>{width}s}"
                  for c in cols]  # fmt: skip
         print("  ".join(cells))
-    result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine_info() | {"load_average_before": load_before},
-        "read_gbps": bandwidth,
-        "rows": rows,
-    }
-    save_result(args.out, result)
+    save_result(args.out, {"read_gbps": bandwidth, "rows": rows}, load_before)
     return 0
 
 

@@ -615,8 +615,13 @@ def print_table(title, rows, cols):
 SECTIONS = ("sgmv", "rows", "mixes", "attention", "quant")
 
 
-def save_result(out: str | Path, result: dict) -> None:
-    """The benchmark's JSON at `out` (its folder made), and a line saying where."""
+def save_result(out: str | Path, fields: dict, load_before=None) -> None:
+    """The benchmark's JSON at `out` (its folder made): the command that ran it, the machine
+    (with the load average before the run, when given), then fields; and a line saying where."""
+    machine = machine_info()
+    if load_before is not None:
+        machine["load_average_before"] = load_before
+    result = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine, **fields}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
@@ -718,8 +723,6 @@ def main(argv=None) -> int:
         cols += ["ratio_min"]
         print_table("PagedAttention vs np.copyto of K+V (ratio = copy time / op time)", [pa], cols)
     result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine_info() | {"load_average_before": load_before},
         "clock": "thread_cpu" if args.cpu_time else "wall",
         "reps": reps,
         "lora_sgmv": sgmv,
@@ -729,7 +732,7 @@ def main(argv=None) -> int:
         "int8_roof": roof,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
     }
-    save_result(args.out, result)
+    save_result(args.out, result, load_before)
     return 0
 
 

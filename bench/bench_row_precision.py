@@ -30,7 +30,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import machine_info, save_result  # noqa: E402, I001
+from bench_ops import save_result  # noqa: E402, I001
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -134,25 +134,14 @@ def measure(base, adapters: dict, prompts: list[list[int]], progress: str) -> di
 
 def tiny_set(tmp: Path) -> tuple:
     """The tiny Llama, its PEFT adapters (the parity tests' recipe) and random prompts."""
-    import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+    from ort_lora.export.tiny import save_random_adapters, tiny_config, write_random_checkpoint
 
     ckpt = write_random_checkpoint(tmp / "tiny", tiny_config("llama"), seed=1234)
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    adapters = {}
-    for i, (name, kwargs) in enumerate(TINY_ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
-        model = peft.get_peft_model(copy.deepcopy(base), config)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-        model.save_pretrained(tmp / name)
-        adapters[name] = tmp / name
+    adapters = save_random_adapters(base, tmp, TINY_ADAPTERS, seed=100)
     rng = np.random.default_rng(0)
     vocab = base.config.vocab_size
     prompts = [rng.integers(0, vocab, n).tolist() for n in (11, 19, 24)]
@@ -225,13 +214,7 @@ def main(argv=None) -> int:
             within = "yes" if r["max_abs_logprob"] <= TOLERANCE else "no"
             print(f"{name:>8s}  {row_type:>9s}  {r['max_abs_logprob']:>10.2e}  "
                   f"{r['argmax_flips']:>12d}  {within}")  # fmt: skip
-    result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine_info(),
-        "tolerance": TOLERANCE,
-        "sets": results,
-    }
-    save_result(args.out, result)
+    save_result(args.out, {"tolerance": TOLERANCE, "sets": results})
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Shared by the DoRA and composition tests against PEFT: adapters whose every part matters,
-and one generate() call checked request by request against PEFT."""
+"""Shared by the DoRA and composition tests against PEFT: the composition tests' adapter
+configs, and one generate() call checked request by request against PEFT."""
 
 from __future__ import annotations
 
@@ -17,29 +17,6 @@ COMPOSE_ADAPTERS = {
     "dora": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
               use_dora=True, use_rslora=True),
 }  # fmt: skip
-
-
-def save_adapters(hf_model, root: Path, configs: dict, seed: int) -> dict[str, Path]:
-    """name -> directory of a PEFT adapter per config (peft.LoraConfig kwargs) on a copy of
-    hf_model: random A, B of unit scale and (DoRA) magnitudes moved off their initial norms by
-    up to ~30 %, so that the LoRA delta and the DoRA scale both change the output."""
-    import peft
-    import torch
-
-    dirs = {}
-    for i, (name, kwargs) in enumerate(configs.items()):
-        torch.manual_seed(seed + i)
-        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
-        model = peft.get_peft_model(copy.deepcopy(hf_model), config)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-                if "lora_magnitude_vector" in n:
-                    p.mul_(1 + 0.3 * torch.randn_like(p))
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-    return dirs
 
 
 def peft_models(base, dirs: dict[str, Path], names) -> dict:

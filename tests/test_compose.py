@@ -18,12 +18,13 @@ import pytest
 
 from ort_lora import contract as C
 from ort_lora.adapters import AdapterError, AdapterNotFoundError, AdapterRegistry
+from ort_lora.export.tiny import save_random_adapters
 from ort_lora.lora_request import LoRARequest
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import COMPOSE_ADAPTERS, save_adapters  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS  # noqa: E402
 from test_adapters import ADAPTERS, make_adapter, manifest  # noqa: E402
 
 PEFT_ADAPTERS = COMPOSE_ADAPTERS
@@ -121,7 +122,7 @@ def test_step_inputs_of_composed_segments(registry):
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("compose")
-    save_adapters(hf_model, root, PEFT_ADAPTERS, seed=500)
+    save_random_adapters(hf_model, root, PEFT_ADAPTERS, seed=500)
     return root
 
 

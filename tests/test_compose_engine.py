@@ -22,6 +22,7 @@ from ort_lora.adapters import AdapterNotFoundError, CompositionError
 from ort_lora.config import EngineConfig
 from ort_lora.engine import PagePool, Scheduler, Sequence, build_metadata
 from ort_lora.engine.invariants import assert_invariants
+from ort_lora.export.tiny import save_random_adapters
 
 # --- the scheduler alone ----------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ def test_composed_single_and_base_sequences_under_preemption_keep_the_books(seed
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import COMPOSE_ADAPTERS, save_adapters  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS  # noqa: E402
 from test_engine_peft import MAX_NEW, PROMPTS, _oracle  # noqa: E402
 
 PEFT_ADAPTERS = COMPOSE_ADAPTERS
@@ -161,7 +162,9 @@ KINDS = [
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    return save_adapters(hf_model, tmp_path_factory.mktemp("compose_engine"), PEFT_ADAPTERS, 700)
+    return save_random_adapters(
+        hf_model, tmp_path_factory.mktemp("compose_engine"), PEFT_ADAPTERS, 700
+    )
 
 
 def lora_request(terms, dirs):

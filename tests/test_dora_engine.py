@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.export.tiny import save_random_adapters
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import ALL_LINEAR, assert_matches_peft, peft_models, save_adapters  # noqa: E402
+from peft_cases import ALL_LINEAR, assert_matches_peft, peft_models  # noqa: E402
 from test_engine_peft import MAX_NEW, PROMPTS, _fresh, _oracle  # noqa: E402
 
 ADAPTERS = {
@@ -43,7 +44,9 @@ DORA = ("dora_qv", "dora_all_rs")
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    return save_adapters(hf_model, tmp_path_factory.mktemp("dora_engine"), ADAPTERS, seed=300)
+    return save_random_adapters(
+        hf_model, tmp_path_factory.mktemp("dora_engine"), ADAPTERS, seed=300
+    )
 
 
 def _lora(name, dirs):

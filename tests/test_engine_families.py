@@ -5,12 +5,14 @@ tokens match PEFT's generate, for every request."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
 from ort_lora.export import export_model
-from ort_lora.export.tiny import tiny_config, write_random_checkpoint
+from ort_lora.export.tiny import save_random_adapters, tiny_config, write_random_checkpoint
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -51,17 +53,11 @@ def family_setup(request, tmp_path_factory):
     ckpt = write_random_checkpoint(root / "ckpt", tiny_config(family), seed=21)
     out = export_model(ckpt, root / "export", block_size=8, progress=False)
     base = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    adapters = {}
-    for i, (name, kwargs) in enumerate(_adapters(family).items()):
-        torch.manual_seed(300 + i)
-        fresh = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
-        model = peft.get_peft_model(fresh, peft.LoraConfig(init_lora_weights=False, **kwargs))
-        with torch.no_grad():  # B of unit scale: the adapter matters
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
-        adapters[name] = (model.eval(), root / name)
+    dirs = save_random_adapters(base, root, _adapters(family), seed=300)
+    adapters = {
+        name: (peft.PeftModel.from_pretrained(copy.deepcopy(base), d).eval(), d)
+        for name, d in dirs.items()
+    }
     return out, base, adapters
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.export.tiny import save_random_adapters
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -69,19 +70,7 @@ MAX_NEW = 8
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
     """The three PEFT adapters with random (non-zero) A and B, saved as safetensors."""
-    root = tmp_path_factory.mktemp("peft_adapters")
-    dirs = {}
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
-        model = peft.get_peft_model(_fresh(hf_model), config)
-        with torch.no_grad():  # make the adapter matter: B of unit scale
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-    return dirs
+    return save_random_adapters(hf_model, tmp_path_factory.mktemp("peft_adapters"), ADAPTERS, 100)
 
 
 def _fresh(hf_model):

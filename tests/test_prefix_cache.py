@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
+from ort_lora.export.tiny import save_random_adapters
 
 pytest.importorskip("peft")
 
-from peft_cases import COMPOSE_ADAPTERS, save_adapters  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS  # noqa: E402
 
 BS = 8  # the tiny exports' block size
 _rng = np.random.default_rng(29)
@@ -37,7 +38,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=Tr
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    return save_adapters(hf_model, tmp_path_factory.mktemp("prefix"), COMPOSE_ADAPTERS, seed=29)
+    return save_random_adapters(
+        hf_model, tmp_path_factory.mktemp("prefix"), COMPOSE_ADAPTERS, seed=29
+    )
 
 
 def _identities(dirs) -> dict:

@@ -11,7 +11,6 @@ the cluster's /metrics (per-replica adapter figures, each replica's pid)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ort_lora.bench.harness.servers import ServerThread
+from ort_lora.export.tiny import save_random_adapters
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
 
@@ -55,14 +55,7 @@ def adapter_root(tiny_llama_checkpoint, tmp_path_factory):
 
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
     root = tmp_path_factory.mktemp("ray_adapters")
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(700 + i)
-        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kwargs))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
+    save_random_adapters(base, root, ADAPTERS, seed=700)
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     return root

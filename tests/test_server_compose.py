@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ort_lora.adapters import AdapterError
 from ort_lora.bench.harness.servers import ServerThread
+from ort_lora.export.tiny import save_random_adapters
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import save_adapters  # noqa: E402
 from test_compose_engine import PEFT_ADAPTERS, peft_model  # noqa: E402
 from test_engine_peft import MAX_NEW, _oracle  # noqa: E402
 
@@ -33,7 +33,9 @@ PROMPT = [5, 17, 99, 3, 42, 8, 77, 120, 64, 33, 21]
 
 @pytest.fixture(scope="module")
 def adapter_dirs(hf_model, tmp_path_factory):
-    return save_adapters(hf_model, tmp_path_factory.mktemp("compose_http"), PEFT_ADAPTERS, 900)
+    return save_random_adapters(
+        hf_model, tmp_path_factory.mktemp("compose_http"), PEFT_ADAPTERS, 900
+    )
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ort_lora.bench.harness.servers import ServerThread
+from ort_lora.export.tiny import save_random_adapters
 from ort_lora.lora_request import LoRARequest
 from ort_lora.server import create_app
 
@@ -35,15 +36,7 @@ MAX_NEW = 8
 def adapter_root(hf_model, tmp_path_factory):
     """Random PEFT adapters (B of unit scale, so they change the output), plus a broken one."""
     root = tmp_path_factory.mktemp("e2e_adapters")
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(500 + i)
-        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
-        model = peft.get_peft_model(copy.deepcopy(hf_model), config)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
+    save_random_adapters(hf_model, root, ADAPTERS, seed=500)
     shutil.copytree(root / "qv4", root / "late")  # loaded at runtime by the tests
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))

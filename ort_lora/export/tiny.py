@@ -2,7 +2,8 @@
 
 `tiny_config(family)` is a small config of each supported family; `write_random_checkpoint`
 writes config.json + safetensors (optionally sharded, with the index json) for any config,
-e.g. a Llama-3.2-1B-shaped one for the export benchmark.
+e.g. a Llama-3.2-1B-shaped one for the export benchmark; `save_random_adapters` saves PEFT
+adapters of a model whose every part changes its output.
 """
 
 from __future__ import annotations
@@ -177,3 +178,29 @@ def write_random_checkpoint(
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     write_byte_tokenizer(out, cfg.vocab_size)
     return out
+
+
+def save_random_adapters(hf_model, root, configs: dict, seed: int) -> dict[str, Path]:
+    """name -> directory of a PEFT adapter per config (peft.LoraConfig kwargs) on a copy of
+    hf_model, seeded seed + its index: PEFT's random A, B ~ N(0, 0.5) (PEFT starts B at zero)
+    and (DoRA) magnitudes moved off their initial norms by up to ~30 %, so that the LoRA delta
+    and the DoRA scale both change the output."""
+    import copy
+
+    import peft
+    import torch
+
+    dirs = {}
+    for i, (name, kwargs) in enumerate(configs.items()):
+        torch.manual_seed(seed + i)
+        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
+        model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.5)
+                if "lora_magnitude_vector" in n:
+                    p.mul_(1 + 0.3 * torch.randn_like(p))
+        model.save_pretrained(Path(root) / name)
+        dirs[name] = Path(root) / name
+    return dirs
