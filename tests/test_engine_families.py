@@ -1,7 +1,8 @@
 """The engine on Gemma 2 / 3, Phi-3 and Granite against transformers + PEFT: one generate()
 mixes the base model and two PEFT adapters (Phi-3's on its fused qkv_proj / gate_up_proj) in
 the same steps; prompt logprobs match PEFT's teacher-forced log-softmax within 1e-4 and greedy
-tokens match PEFT's generate, for every request."""
+tokens match PEFT's generate, for every request (where they differ, each of ours is PEFT's
+choice up to a tie within 1e-4: Gemma's logit softcapping makes near-exact ties)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ort_lora.export.tiny import save_random_adapters, tiny_config, write_random
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from test_engine_peft import MAX_NEW, _oracle  # noqa: E402 (after the importorskips)
+from test_engine_peft import MAX_NEW, _oracle, assert_greedy_choices  # noqa: E402 (after the importorskips)
 
 ATTENTION = {
     "phi3": ["qkv_proj", "o_proj"],  # PEFT's names on Phi-3: the fused module
@@ -82,5 +83,6 @@ def test_mixed_batch_matches_peft(family_setup):
         for pos, entry in enumerate(result.prompt_logprobs[1:]):
             assert prompt[pos + 1] in entry
             worst = max(worst, *(abs(lp.logprob - logp[pos, t]) for t, lp in entry.items()))
-        assert result.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
+        if result.outputs[0].token_ids != greedy:  # only where PEFT's choice was a tie
+            assert_greedy_choices(models[name], prompt, list(result.outputs[0].token_ids))
     assert worst <= 1e-4, f"max |prompt logprob - PEFT's| = {worst:.3g}"

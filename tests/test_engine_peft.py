@@ -100,6 +100,21 @@ def _oracle(model, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
     return logp, gen[0, len(prompt) :].tolist()
 
 
+def assert_greedy_choices(model, prompt: list[int], tokens: list[int], tol: float = 1e-4):
+    """Each of `tokens`, generated greedily after `prompt`, is PEFT's most likely next token
+    given the same prefix, or within `tol` of it in logprob (a tie, which float rounding may
+    break either way: models with final logit softcapping saturate into near-exact ties)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1).numpy()
+    for i, token in enumerate(tokens):
+        row = logp[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - tol, (
+            f"token {i}: {token} at logprob {row[token]:.6f}, PEFT's best "
+            f"{int(row.argmax())} at {row.max():.6f}"
+        )
+
+
 @pytest.fixture(scope="module")
 def requests(adapter_dirs):
     names = [None, *ADAPTERS]

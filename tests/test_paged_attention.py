@@ -12,6 +12,7 @@ from paged_attention_cases import (
     check_against_reference,
     make_case,
     rotary_tables,
+    run_kernel,
     session,
 )
 
@@ -254,5 +255,72 @@ def test_iobinding_pool_written_in_place_and_read_by_next_step(rng):
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline copies of the kernel (forced with ORT_LORA_ATTENTION_ISA) pass
     the value tests."""
-    cases = "mixed_batch or variants or sizes"
+    cases = "mixed_batch or variants or sizes or cut_never"
     assert_passes_with_isa(__file__, cases, "ORT_LORA_ATTENTION_ISA", isa)
+
+
+# ---- a row's bits never depend on how a call is cut ------------------------------------------
+
+CUTS = {
+    "gqa3": dict(num_heads=9, kv_num_heads=3, head_size=64, block_size=16),
+    "block_size_5": dict(num_heads=4, kv_num_heads=2, head_size=64, block_size=5),
+    "window_softcap": dict(
+        num_heads=4, kv_num_heads=1, head_size=40, block_size=16, local_window_size=300,
+        softcap=2.0,
+    ),
+}  # fmt: skip
+
+
+def _sequence_calls(rng, length, cuts, others, spec):
+    """One sequence of `length` tokens run in calls of the sizes in `cuts` (each call's past
+    in the cache from the calls before), beside `others` sequences of random (past, new) in
+    every call; returns the sequence's output rows, concatenated."""
+    attrs = {k: v for k, v in spec.items() if k not in ("head_size", "block_size")}
+    attrs.update(do_rotary=1)
+    d, bs = spec["head_size"], spec["block_size"]
+    whole = make_case(rng, [(0, length)], spec["num_heads"], spec["kv_num_heads"], d, bs, d // 2)
+    caches = {name: whole[name] for name in ("key_cache", "value_cache")}
+    outputs, past = [], 0
+    for new in cuts:
+        extra = [(int(rng.integers(0, 600)), int(rng.integers(1, 40))) for _ in range(others)]
+        call = make_case(rng, [(past, new), *extra], spec["num_heads"], spec["kv_num_heads"], d,
+                         bs, d // 2)  # fmt: skip
+        blocks = -(-length // bs)  # the sequence's blocks: its own, after the others'
+        table = call["block_table"]
+        width = max(table.shape[1], blocks)
+        call["block_table"] = np.full((table.shape[0], width), -1, np.int32)
+        call["block_table"][:, : table.shape[1]] = table
+        call["block_table"][0, :blocks] = np.arange(blocks) + call["key_cache"].shape[0]
+        for name in ("key_cache", "value_cache"):
+            call[name] = np.concatenate([call[name], caches[name]])
+        for name in ("query", "key", "value"):
+            call[name][:new] = whole[name][past : past + new]
+        call["cos_cache"], call["sin_cache"] = rotary_tables(length + 1, d // 2)
+        outputs.append(run_kernel(call, **attrs)[:new])
+        for name in ("key_cache", "value_cache"):
+            caches[name] = call[name][-caches[name].shape[0] :]
+        past += new
+    return np.concatenate(outputs)
+
+
+@pytest.mark.parametrize("spec", sorted(CUTS))
+def test_cut_never_changes_a_row(spec, rng):
+    """The same sequence's attention, to the bit, whether it runs in one call alone, as a
+    cached prefix and a tail (the prefix cache), in chunks beside other sequences (chunked
+    prefill in a mixed step), or token by token with other sequences' decodes (whose count
+    decides whether long contexts are split over threads)."""
+    spec, length = CUTS[spec], 700
+    seed = int(rng.integers(1 << 30))
+    runs = {
+        "whole": ([length], 0),
+        "prefix + tail": ([512, length - 512], 0),
+        "chunks among others": ([100, 211, 37, 256, 96], 3),
+        "decode alone": ([length - 2, 1, 1], 0),  # its context split over threads
+        "decode among others": ([length - 2, 1, 1], 70),  # enough items: not split
+    }
+    outs = {
+        name: _sequence_calls(np.random.default_rng(seed), length, cuts, others, spec)
+        for name, (cuts, others) in runs.items()
+    }
+    for name, out in outs.items():
+        np.testing.assert_array_equal(out, outs["whole"], err_msg=name)

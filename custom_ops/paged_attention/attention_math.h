@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -38,29 +39,6 @@ ORT_LORA_INLINE V Load(const float* p) {
   V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
-}
-
-ORT_LORA_INLINE V16 Load16(const float* p) { return Load<V16>(p); }
-
-ORT_LORA_INLINE float HorizontalSum(const V16& v) {
-  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 b =
-      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-ORT_LORA_INLINE float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  V16 r = {}, r2 = {};  // two FMA chains
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    r += Load16(a + i) * Load16(b + i);
-    r2 += Load16(a + i + 16) * Load16(b + i + 16);
-  }
-  for (; i + 16 <= n; i += 16) r += Load16(a + i) * Load16(b + i);
-  float sum = HorizontalSum(r + r2);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 // Sixteen row sums at once: out[j] is the sum of the lanes of r[j]. A transpose
@@ -116,24 +94,44 @@ ORT_LORA_INLINE void TransposeSum(const V4* r, float* out) {
 
 // s[j] = q . k[j * stride + :d] for j < n: W keys at a time, W = the lanes of V (one register:
 // W independent FMA chains sharing each load of q, 16 of the 32 AVX-512 registers or 8 of
-// the 16 AVX2 ones, so none spills), the rest one by one.
+// the 16 AVX2 ones, so none spills). A key's score takes the same operations wherever it
+// falls, through the one loop body below: the last keys go as a whole group too, the rows
+// after them scored and dropped (`room` rows from k may be read; where fewer are left, the last
+// keys are copied into `spare`: W rows of d finite floats), and the dimensions past a multiple
+// of W as a zero-padded register. (Two inlined copies of the body, one for whole groups and
+// one for the last, were compiled into different arithmetic.) s must have room for n rounded
+// up to a multiple of W: the last group's dropped lanes are written too.
 template <typename V>
 ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t stride,
-                            int64_t d, int64_t n, float* __restrict s) {
+                            int64_t d, int64_t n, int64_t room, float* __restrict s, float* spare) {
   constexpr int W = sizeof(V) / sizeof(float);
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
-    V r[W] = {};
+  for (int64_t j = 0; j < n; j += W) {
+    const int64_t m = std::min<int64_t>(W, n - j);
+    const float* key = k + j * stride;
+    int64_t step = stride;
+    if (j + W > room) {
+      for (int64_t c = 0; c < m; ++c)
+        std::copy(key + c * stride, key + c * stride + d, spare + c * d);
+      key = spare, step = d;
+    }
+    V r[W];
+    for (int c = 0; c < W; ++c) r[c] = V{};
     int64_t i = 0;
     for (; i + W <= d; i += W) {
       const V qv = Load<V>(q + i);
-      for (int c = 0; c < W; ++c) r[c] += qv * Load<V>(k + (j + c) * stride + i);
+      for (int c = 0; c < W; ++c) r[c] += qv * Load<V>(key + c * step + i);
     }
-    TransposeSum(r, s + j);
-    for (; i < d; ++i)
-      for (int c = 0; c < W; ++c) s[j + c] += q[i] * k[(j + c) * stride + i];
+    if (i < d) {
+      V qv = {};
+      std::memcpy(&qv, q + i, (d - i) * sizeof(float));
+      for (int c = 0; c < W; ++c) {
+        V kv = {};
+        std::memcpy(&kv, key + c * step + i, (d - i) * sizeof(float));
+        r[c] += qv * kv;
+      }
+    }
+    TransposeSum(r, s + j);  // all W lanes: s has room for them
   }
-  for (; j < n; ++j) s[j] = Dot(q, k + j * stride, d);
 }
 
 // x[i] = exp(x[i]) for x[i] <= 0 (Cephes expf polynomial, ~1 ulp; vectorizable).
@@ -156,28 +154,32 @@ ORT_LORA_INLINE void ExpInPlace(float* x, int64_t n) {
   }
 }
 
-// acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D]
+// acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D], each column's sum in j order. The
+// accumulators are registers of V (64 columns: four AVX-512, eight AVX2 FMA chains) whatever
+// the code around, and the last columns past a multiple of the lanes fused explicitly.
+template <typename V>
 ORT_LORA_INLINE void AccumulateValues(float* __restrict acc, const float* __restrict v,
                                       const float* __restrict p, int64_t n, int64_t stride,
                                       int64_t d, float alpha) {
+  constexpr int W = sizeof(V) / sizeof(float), R = 64 / W;
   int64_t i = 0;
-  for (; i + 64 <= d; i += 64) {  // 64 accumulators: four AVX-512 (eight AVX2) FMA chains
-    float r[64];
-    for (int k = 0; k < 64; ++k) r[k] = acc[i + k] * alpha;
-    for (int64_t j = 0; j < n; ++j)
-      for (int k = 0; k < 64; ++k) r[k] += p[j] * v[j * stride + i + k];
-    for (int k = 0; k < 64; ++k) acc[i + k] = r[k];
+  for (; i + 64 <= d; i += 64) {
+    V r[R];
+    for (int k = 0; k < R; ++k) r[k] = Load<V>(acc + i + k * W) * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = v + j * stride + i;
+      for (int k = 0; k < R; ++k) r[k] += p[j] * Load<V>(row + k * W);
+    }
+    std::memcpy(acc + i, r, sizeof(r));
   }
-  for (; i + 16 <= d; i += 16) {
-    float r[16];
-    for (int k = 0; k < 16; ++k) r[k] = acc[i + k] * alpha;
-    for (int64_t j = 0; j < n; ++j)
-      for (int k = 0; k < 16; ++k) r[k] += p[j] * v[j * stride + i + k];
-    for (int k = 0; k < 16; ++k) acc[i + k] = r[k];
+  for (; i + W <= d; i += W) {
+    V r = Load<V>(acc + i) * alpha;
+    for (int64_t j = 0; j < n; ++j) r += p[j] * Load<V>(v + j * stride + i);
+    std::memcpy(acc + i, &r, sizeof(r));
   }
   for (; i < d; ++i) {
     float r = acc[i] * alpha;
-    for (int64_t j = 0; j < n; ++j) r += p[j] * v[j * stride + i];
+    for (int64_t j = 0; j < n; ++j) r = std::fma(p[j], v[j * stride + i], r);
     acc[i] = r;
   }
 }

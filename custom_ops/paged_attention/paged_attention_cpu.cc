@@ -10,7 +10,7 @@
 // each K/V row fetched serves every (token, head) of the chunk.
 // A long context is split into ranges of at least kMinSplitKeys keys when there are too few
 // items to keep the threads busy (flash-decoding); the split items write (max, sum, acc) rows
-// that the merge pass combines.
+// that the merge pass combines. How a call is cut never changes a row's bits (pass 2 says how).
 #include "paged_attention/paged_attention_cpu.h"
 
 #include <algorithm>
@@ -36,16 +36,18 @@ using attention_math::V16;
 using attention_math::V4;
 using attention_math::V8;
 
-constexpr int64_t kTileKeys = 32;        // keys scored together: one softmax rescale per tile
-constexpr int64_t kRowsPerItem = 32;     // query rows (token x head) per work item, at most
-constexpr int64_t kMinSplitKeys = 256;   // shortest context range worth its own work item
+constexpr int64_t kTileKeys = 32;       // keys scored together: one softmax rescale per tile
+constexpr int64_t kRowsPerItem = 32;    // query rows (token x head) per work item, at most
+constexpr int64_t kSegmentKeys = 256;   // keys whose softmax state is folded at once
+constexpr int64_t kMinSplitKeys = 256;  // shortest context range worth its own work item
+static_assert(kMinSplitKeys % kSegmentKeys == 0, "a split range is whole segments");
 constexpr int64_t kTargetItems = 64;     // fewer items than this: split long contexts
 constexpr int64_t kTokensPerChunk = 16;  // tokens per item of the prepare and write passes
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Query tokens [q_begin, q_end) of sequence seq (all heads) against keys at positions
 // [ctx_begin, ctx_end). partial < 0: the item sees the whole context and writes the
-// output; else it writes rows [max, sum, acc[D]] at partials + partial.
+// output; else it writes rows [max, sum, acc[D]] of each of its segments at partials + partial.
 struct WorkItem {
   int32_t seq, q_begin, q_end, ctx_begin, ctx_end;
   int64_t partial;
@@ -110,35 +112,21 @@ void PrepareRows(const Problem& p, const float* src, float* dst, int64_t heads, 
 }
 
 // ---- pass 2: attention -------------------------------------------------------------------
-
-// One query row against n keys/values (rows k, v at distance stride): online softmax update
-// of (m, l, acc). V: the vector type of the ISA's widest registers.
-template <typename V>
-ORT_LORA_INLINE void AttendTile(const float* q, const float* k, const float* v, int64_t n,
-                                int64_t stride, int64_t d, float softcap, float& m, float& l,
-                                float* acc) {
-  float s[kTileKeys];
-  Scores<V>(q, k, stride, d, n, s);
-  if (softcap > 0)
-    for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-  float m_new = m;
-  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
-  for (int64_t j = 0; j < n; ++j) s[j] -= m_new;
-  ExpInPlace(s, n);
-  const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += s[j];
-  l = l * alpha + sum;
-  m = m_new;
-  AccumulateValues(acc, v, s, n, stride, d, alpha);
-}
+//
+// A query row's result depends only on its own query and keys, never on how the call was cut:
+// keys go in tiles aligned to absolute positions (kTileKeys), whatever cache blocks or new rows
+// hold them, and in segments aligned the same way (kSegmentKeys), whose softmax states are
+// folded left to right by one function, in the item (a whole context) or in the merge (a split
+// one). So a prompt whose prefix came from the prefix cache, or that shared its step with other
+// sequences, gets the bits it would have got alone and uncached.
 
 // Rows [j, j + count) of keys and values, every kv head, contiguous (row_stride apart): a run
-// inside one cache block, or of the new tokens' rows.
+// inside one cache block, or of the new tokens' rows; `room` rows from k and v may be read (to
+// the end of the block or of the new rows).
 struct KeyRun {
   const float* k;
   const float* v;
-  int64_t count;
+  int64_t j, count, room;
 };
 
 KeyRun NextRun(const Problem& p, const WorkItem& w, int64_t j, int64_t end) {
@@ -147,16 +135,24 @@ KeyRun NextRun(const Problem& p, const WorkItem& w, int64_t j, int64_t end) {
   if (j < past) {
     const int64_t block = a.block_table[w.seq * a.max_blocks + j / a.block_size];
     const int64_t off = j % a.block_size;
-    const int64_t count = std::min({a.block_size - off, past - j, end - j, kTileKeys});
+    const int64_t count = std::min({a.block_size - off, past - j, end - j});
     const int64_t row = (block * a.block_size + off) * p.row_stride;
-    return {a.key_cache + row, a.value_cache + row, count};
+    return {a.key_cache + row, a.value_cache + row, j, count, a.block_size - off};
   }
-  const int64_t row = (a.cu_seqlens[w.seq] + j - past) * p.row_stride;
-  return {p.k + row, a.value + row, std::min(end - j, kTileKeys)};
+  const int64_t token = a.cu_seqlens[w.seq] + j - past;
+  return {p.k + token * p.row_stride, a.value + token * p.row_stride, j, end - j,
+          a.num_tokens - token};
 }
 
-// Asks for part `part` of `parts` of a run: the next run is fetched while the current one is
-// computed, spread over its heads so the memory requests stay few at a time but never stop.
+// The runs that hold keys [lo, hi) (at most one per position): their number.
+int64_t TileRuns(const Problem& p, const WorkItem& w, int64_t lo, int64_t hi, KeyRun* runs) {
+  int64_t n = 0;
+  for (int64_t j = lo; j < hi; j += runs[n++].count) runs[n] = NextRun(p, w, j, hi);
+  return n;
+}
+
+// Asks for part `part` of `parts` of a run: the next tile is fetched while the current one is
+// computed, spread over its rows so the memory requests stay few at a time but never stop.
 // The cache is read once, in block-sized runs scattered over memory, where the hardware
 // prefetcher alone stalls at each jump.
 ORT_LORA_INLINE void PrefetchRun(const KeyRun& run, int64_t stride, int64_t part, int64_t parts) {
@@ -168,78 +164,152 @@ ORT_LORA_INLINE void PrefetchRun(const KeyRun& run, int64_t stride, int64_t part
   }
 }
 
-// Output (or partial) row of query row r = token * num_heads + head of item w.
-float* AccRow(const Problem& p, const WorkItem& w, int64_t r) {
-  const int64_t d = p.a.head_size;
-  if (w.partial >= 0) return p.partials + w.partial + r * (d + 2) + 2;
-  return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * d;
-}
-
-// Online-softmax state of an item's query rows (token * num_heads + head): running max,
-// running sum, and the accumulator rows (in the output, or in the partials of a split item).
-struct RowState {
-  std::vector<float> m, l;
-  std::vector<float*> acc;
+// One segment's softmax state of a row: running max, running sum, accumulator row.
+struct SoftmaxState {
+  float m, l;
+  float* acc;
 };
 
-RowState StartRows(const Problem& p, const WorkItem& w) {
-  const int64_t rows = (w.q_end - w.q_begin) * p.a.num_heads;
-  RowState s{std::vector<float>(rows, kNegInf), std::vector<float>(rows, 0.0f), {}};
-  for (int64_t r = 0; r < rows; ++r) {
-    s.acc.push_back(AccRow(p, w, r));
-    std::fill(s.acc[r], s.acc[r] + p.a.head_size, 0.0f);
+// (M, L, ACC) := (M, L, ACC) followed by (m, l, acc): the only way two softmax states meet.
+// Out of line and built for one ISA, so that the item and the merge fold alike.
+__attribute__((noinline)) void Fold(float& M, float& L, float* ACC, float m, float l,
+                                    const float* acc, int64_t d) {
+  if (m == kNegInf) return;  // the row saw no key of this segment
+  if (M == kNegInf) {
+    M = m, L = l;
+    std::copy(acc, acc + d, ACC);
+    return;
   }
-  return s;
+  const float top = std::max(M, m), c0 = std::exp(M - top), c1 = std::exp(m - top);
+  L = L * c0 + l * c1;
+  for (int64_t i = 0; i < d; ++i) ACC[i] = ACC[i] * c0 + acc[i] * c1;
+  M = top;
 }
 
-// Normalizes the output rows, or stores (max, sum) in front of the partial rows.
-void FinishRows(const Problem& p, const WorkItem& w, RowState& s) {
-  for (size_t r = 0; r < s.acc.size(); ++r) {
-    if (w.partial >= 0) {
-      s.acc[r][-2] = s.m[r];
-      s.acc[r][-1] = s.l[r];
-    } else {
-      const float inv = 1.0f / s.l[r];
-      for (int64_t i = 0; i < p.a.head_size; ++i) s.acc[r][i] *= inv;
-    }
-  }
+// acc / l, as one multiply per element (the same in every ISA's code).
+__attribute__((noinline)) void Normalize(float* acc, float l, int64_t d) {
+  const float inv = 1.0f / l;
+  for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
 }
 
-// Every query row of item w against the keys of `run` (positions [j, j + run.count)), each
-// token within its causal / window range; prefetches `next` meanwhile.
+// One row's keys [lo, hi) of a tile, held by `runs`: online softmax update of s.
 template <typename V>
-ORT_LORA_INLINE void AttendRun(const Problem& p, const WorkItem& w, int64_t j, const KeyRun& run,
-                               const KeyRun& next, RowState& s) {
+ORT_LORA_INLINE void AttendTile(const float* q, const KeyRun* runs, int64_t num_runs, int64_t lo,
+                                int64_t hi, int64_t head, int64_t stride, int64_t d, float softcap,
+                                SoftmaxState& st, float* spare) {
+  float s[kTileKeys + 16];  // Scores writes whole groups of up to 16
+  const int64_t n = hi - lo;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const int64_t a = std::max(lo, runs[r].j), b = std::min(hi, runs[r].j + runs[r].count);
+    if (a < b)
+      Scores<V>(q, runs[r].k + (a - runs[r].j) * stride + head, stride, d, b - a,
+                runs[r].room - (a - runs[r].j), s + a - lo, spare);
+  }
+  if (softcap > 0)
+    for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  float m_new = st.m;
+  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
+  for (int64_t j = 0; j < n; ++j) s[j] -= m_new;
+  ExpInPlace(s, n);
+  float alpha = st.m == kNegInf ? 0.0f : std::exp(st.m - m_new);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
+  st.l = st.l * alpha + sum;
+  st.m = m_new;
+  for (int64_t r = 0; r < num_runs; ++r) {  // acc * alpha once, then each run's values
+    const int64_t a = std::max(lo, runs[r].j), b = std::min(hi, runs[r].j + runs[r].count);
+    if (a >= b) continue;
+    AccumulateValues<V>(st.acc, runs[r].v + (a - runs[r].j) * stride + head, s + a - lo, b - a,
+                        stride, d, alpha);
+    alpha = 1.0f;
+  }
+}
+
+// The segments of keys [lo, hi): [first, last].
+int64_t FirstSegment(int64_t lo) { return lo / kSegmentKeys; }
+int64_t Segments(int64_t lo, int64_t hi) { return (hi - 1) / kSegmentKeys - lo / kSegmentKeys + 1; }
+
+// Output row of query row r = token * num_heads + head of item w.
+float* OutputRow(const Problem& p, const WorkItem& w, int64_t r) {
+  return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * p.a.head_size;
+}
+
+// A split item's state row of query row r in its segment `seg` (counted from its first):
+// [max, sum, acc[D]].
+float* PartialRow(const Problem& p, const WorkItem& w, int64_t seg, int64_t r) {
+  const int64_t rows = (w.q_end - w.q_begin) * p.a.num_heads, width = p.a.head_size + 2;
+  return p.partials + w.partial + (seg * rows + r) * width;
+}
+
+// Every query row of item w over the keys of segment [lo, hi), tile by tile; the next tile's
+// runs are prefetched meanwhile.
+template <typename V>
+ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t lo, int64_t hi,
+                                   std::vector<SoftmaxState>& st, float* spare) {
   const auto& a = p.a;
   const int64_t d = a.head_size, parts = (w.q_end - w.q_begin) * a.num_heads;
-  for (int64_t t = w.q_begin; t < w.q_end; ++t) {
-    const int64_t pos = a.past_seqlens[w.seq] + t;
-    const int64_t lo = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
-    const int64_t hi = std::min(j + run.count, pos + 1);
-    const int64_t r0 = (t - w.q_begin) * a.num_heads;
-    const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
-    for (int64_t h = 0; h < a.num_heads; ++h) {
-      PrefetchRun(next, p.row_stride, r0 + h, parts);
-      if (lo >= hi) continue;
-      const int64_t skip = (lo - j) * p.row_stride + (h / p.group) * d;
-      AttendTile<V>(q + h * d, run.k + skip, run.v + skip, hi - lo, p.row_stride, d, a.softcap,
-                    s.m[r0 + h], s.l[r0 + h], s.acc[r0 + h]);
+  KeyRun runs[kTileKeys], next[kTileKeys];
+  const auto tile_end = [&](int64_t j) { return std::min(hi, (j / kTileKeys + 1) * kTileKeys); };
+  int64_t num_next = TileRuns(p, w, lo, tile_end(lo), next);
+  for (int64_t j = lo; j < hi;) {
+    const int64_t j1 = tile_end(j), num_runs = num_next;
+    std::copy(next, next + num_next, runs);
+    num_next = j1 < hi ? TileRuns(p, w, j1, tile_end(j1), next) : 0;
+    for (int64_t t = w.q_begin; t < w.q_end; ++t) {
+      const int64_t pos = a.past_seqlens[w.seq] + t;
+      const int64_t k0 = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
+      const int64_t k1 = std::min(j1, pos + 1);
+      const int64_t r0 = (t - w.q_begin) * a.num_heads;
+      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
+      for (int64_t h = 0; h < a.num_heads; ++h) {
+        for (int64_t r = 0; r < num_next; ++r) PrefetchRun(next[r], p.row_stride, r0 + h, parts);
+        if (k0 >= k1) continue;
+        AttendTile<V>(q + h * d, runs, num_runs, k0, k1, (h / p.group) * d, p.row_stride, d,
+                      a.softcap, st[r0 + h], spare);
+      }
     }
+    j = j1;
   }
 }
 
+// Item w, segment by segment: a split item leaves each segment's states in its partial rows
+// (the merge folds them); a whole one accumulates its first segment in the output rows (as
+// Fold would copy it there) and folds the others into them as it goes.
 template <typename V>
 ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
-  RowState s = StartRows(p, w);
-  KeyRun next = NextRun(p, w, w.ctx_begin, w.ctx_end);
-  PrefetchRun(next, p.row_stride, 0, 1);
-  for (int64_t j = w.ctx_begin; j < w.ctx_end;) {
-    const KeyRun run = next;
-    next = j + run.count < w.ctx_end ? NextRun(p, w, j + run.count, w.ctx_end) : KeyRun{};
-    AttendRun<V>(p, w, j, run, next, s);
-    j += run.count;
+  const int64_t d = p.a.head_size, rows = (w.q_end - w.q_begin) * p.a.num_heads;
+  thread_local std::vector<SoftmaxState> st, folded;  // a segment's states; the folded ones
+  thread_local std::vector<float> scratch;            // later segments' accumulators
+  thread_local std::vector<float> spare;              // Scores' last keys (zeros at first)
+  st.resize(rows);
+  spare.resize(sizeof(V) / sizeof(float) * d);
+  folded.resize(rows);
+  const int64_t first = FirstSegment(w.ctx_begin), count = Segments(w.ctx_begin, w.ctx_end);
+  if (w.partial < 0 && count > 1) scratch.resize(rows * d);
+  for (int64_t seg = 0; seg < count; ++seg) {
+    const int64_t lo = std::max<int64_t>(w.ctx_begin, (first + seg) * kSegmentKeys);
+    const int64_t hi = std::min<int64_t>(w.ctx_end, (first + seg + 1) * kSegmentKeys);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = w.partial >= 0 ? PartialRow(p, w, seg, r) + 2
+                   : seg == 0     ? OutputRow(p, w, r)
+                                  : scratch.data() + r * d;
+      st[r] = {kNegInf, 0.0f, acc};
+      std::fill(acc, acc + d, 0.0f);
+    }
+    AttendSegment<V>(p, w, lo, hi, st, spare.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      if (w.partial >= 0) {
+        st[r].acc[-2] = st[r].m;
+        st[r].acc[-1] = st[r].l;
+      } else if (seg == 0) {
+        folded[r] = st[r];
+      } else {
+        Fold(folded[r].m, folded[r].l, folded[r].acc, st[r].m, st[r].l, st[r].acc, d);
+      }
+    }
   }
-  FinishRows(p, w, s);
+  if (w.partial < 0)
+    for (int64_t r = 0; r < rows; ++r) Normalize(folded[r].acc, folded[r].l, d);
 }
 
 // One copy of the attention pass per instruction set, its vector width following the widest
@@ -278,31 +348,29 @@ ItemFn SelectRunItem() {
 }
 #endif
 
-// Combines the partial softmax rows of one split group into the output.
+// Folds the segment states of one split group, item by item and segment by segment, into
+// the output.
 void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
   const int64_t d = p.a.head_size;
   const WorkItem& w0 = plan.items[g.first];
-  WorkItem out = w0;
-  out.partial = -1;
-  const int64_t rows = (w0.q_end - w0.q_begin) * p.a.num_heads, width = d + 2;
+  const int64_t rows = (w0.q_end - w0.q_begin) * p.a.num_heads;
   for (int64_t r = 0; r < rows; ++r) {
     float m = kNegInf, l = 0.0f;
-    for (int64_t s = 0; s < g.count; ++s)
-      m = std::max(m, p.partials[plan.items[g.first + s].partial + r * width]);
-    float* dst = AccRow(p, out, r);
-    std::fill(dst, dst + d, 0.0f);
+    float* out = OutputRow(p, w0, r);
+    std::fill(out, out + d, 0.0f);
     for (int64_t s = 0; s < g.count; ++s) {
-      const float* src = p.partials + plan.items[g.first + s].partial + r * width;
-      if (src[0] == kNegInf) continue;
-      const float c = std::exp(src[0] - m);
-      l += src[1] * c;
-      for (int64_t i = 0; i < d; ++i) dst[i] += src[2 + i] * c;
+      const WorkItem& w = plan.items[g.first + s];
+      for (int64_t seg = 0; seg < Segments(w.ctx_begin, w.ctx_end); ++seg) {
+        const float* src = PartialRow(p, w, seg, r);
+        Fold(m, l, out, src[0], src[1], src + 2, d);
+      }
     }
-    for (int64_t i = 0; i < d; ++i) dst[i] /= l;
+    Normalize(out, l, d);
   }
 }
 
-// Work items: every (sequence, query chunk), split over context ranges if few.
+// Work items: every (sequence, query chunk), split over context ranges if few. A split range
+// is whole segments (all but the first and last of a context are full ones).
 Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
   const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / group);
   Plan plan;
@@ -320,18 +388,20 @@ Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
   }
   const int64_t base = static_cast<int64_t>(plan.items.size());
   if (base == 0 || base >= kTargetItems) return plan;
-  const int64_t split = std::max(kMinSplitKeys, CeilDiv(longest * base, kTargetItems));
+  const int64_t split =
+      std::max(kMinSplitKeys, CeilDiv(longest * base, kTargetItems)) / kSegmentKeys * kSegmentKeys;
   std::vector<WorkItem> items;
   for (const WorkItem& w : plan.items) {
-    const int64_t parts = CeilDiv(w.ctx_end - w.ctx_begin, split);
+    const int64_t first = w.ctx_begin / split, parts = (w.ctx_end - 1) / split - first + 1;
     if (parts > 1) plan.splits.push_back({static_cast<int64_t>(items.size()), parts});
     for (int64_t s = 0; s < parts; ++s) {
       WorkItem part = w;
-      part.ctx_begin = static_cast<int32_t>(w.ctx_begin + s * split);
-      part.ctx_end = static_cast<int32_t>(std::min<int64_t>(w.ctx_end, part.ctx_begin + split));
+      part.ctx_begin = static_cast<int32_t>(std::max<int64_t>(w.ctx_begin, (first + s) * split));
+      part.ctx_end = static_cast<int32_t>(std::min<int64_t>(w.ctx_end, (first + s + 1) * split));
       if (parts > 1) {
         part.partial = plan.partial_floats;
-        plan.partial_floats += (w.q_end - w.q_begin) * a.num_heads * (a.head_size + 2);
+        plan.partial_floats += Segments(part.ctx_begin, part.ctx_end) * (w.q_end - w.q_begin) *
+                               a.num_heads * (a.head_size + 2);
       }
       items.push_back(part);
     }
