@@ -7,7 +7,9 @@
   LoraSGMV mixes  DoRA segments vs plain LoRA of the same rank (target: within 5 %), and
                   segments composing 2 adapters vs 1 (target: the extra cost is the second
                   adapter's bytes: compare with one adapter of twice the rank, same bytes)
-  PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %)
+  PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %);
+                  and SmolLM2's prefill (a 512-token prompt; a 64-token tail after 448
+                  cached) -> time and GFLOPS
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
                   MatMul, SmolLM2's projections, 30 layers' weights per run (as a decode step
@@ -418,6 +420,44 @@ def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
     }
 
 
+def pa_prefill_feeds(rng, past, new, heads, kv_heads, head_dim, block):
+    """Prefill: one sequence's `new` tokens after `past` cached ones, blocks shuffled."""
+    blocks = -(-(past + new) // block)
+    cache_shape = (blocks, block, kv_heads, head_dim)
+    table = rng.permutation(blocks).astype(np.int32)[None, :]
+    pos = past + np.arange(new)
+    return {
+        "query": rng.standard_normal((new, heads * head_dim), dtype=np.float32),
+        "key": rng.standard_normal((new, kv_heads * head_dim), dtype=np.float32),
+        "value": rng.standard_normal((new, kv_heads * head_dim), dtype=np.float32),
+        "key_cache": rng.standard_normal(cache_shape, dtype=np.float32),
+        "value_cache": rng.standard_normal(cache_shape, dtype=np.float32),
+        "cumulative_sequence_length": np.array([0, new], np.int32),
+        "past_seqlens": np.array([past], np.int32),
+        "block_table": table,
+        "slot_mapping": (table[0, pos // block] * block + pos % block).astype(np.int32),
+    }
+
+
+def bench_paged_attention_prefill(past, new, heads, kv_heads, head_dim, block, reps, seed, clock):
+    """A prefill chunk (causal, over its cached past too): op time and GFLOPS."""
+    rng = np.random.default_rng(seed)
+    feeds = pa_prefill_feeds(rng, past, new, heads, kv_heads, head_dim, block)
+    out = np.empty_like(feeds["query"])
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
+    sess = one_node_session("PagedAttention", PA_INPUTS, [("output", F32, 2)], **attrs)
+    run_op = bound_runner(sess, feeds, "output", out)
+    run_op()
+    keys = sum(past + t + 1 for t in range(new))  # (query, key) pairs, each scored and summed
+    t_op, t_op_min = run_times(run_op, reps, clock)
+    return {
+        "case": f"prefill {new} after {past}", "past": past, "new": new, "heads": heads,
+        "kv_heads": kv_heads, "head_dim": head_dim, "block": block,
+        "op_ms": t_op * 1e3, "op_gflops": 4 * heads * head_dim * keys / t_op / 1e9,
+        "op_min_ms": t_op_min * 1e3,
+    }  # fmt: skip
+
+
 def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps, seed, clock):
     """Returns the result row, or None (with a printed reason) when the kernel is missing."""
     rng = np.random.default_rng(seed)
@@ -693,11 +733,17 @@ def main(argv=None) -> int:
     roof_gops = roof.get("avx512_vnni_gops" if quant_isa() == "avx512-vnni" else "avx2_gops")
     for row in quant_rows:  # per core: the roof is one core's
         row["of_roof"] = row["quant_gops"] / THREADS / roof_gops if roof_gops else None
-    pa = None
+    pa, pa_prefill = None, []
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
         seqs = 8 if args.quick else 32
         pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
+        if pa is not None:  # SmolLM2's attention (9 / 3 heads of 64): a prompt, a prompt's tail
+            chunks = [(0, 256), (192, 64)] if args.quick else [(0, 512), (448, 64)]
+            pa_prefill = [
+                bench_paged_attention_prefill(past, new, 9, 3, 64, 16, reps, 98, clock)
+                for past, new in chunks
+            ]
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
     title = "LoraSGMV vs numpy BLAS, same FLOPs (ratio = BLAS time / op time; medians)"
     print_table(title, sgmv, cols)
@@ -722,6 +768,8 @@ def main(argv=None) -> int:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
         cols += ["ratio_min"]
         print_table("PagedAttention vs np.copyto of K+V (ratio = copy time / op time)", [pa], cols)
+        cols = ["case", "heads", "head_dim", "op_ms", "op_gflops", "op_min_ms"]
+        print_table("PagedAttention prefill (one sequence, causal)", pa_prefill, cols)
     result = {
         "clock": "thread_cpu" if args.cpu_time else "wall",
         "reps": reps,
@@ -731,6 +779,7 @@ def main(argv=None) -> int:
         "quant_matmul": quant_rows,
         "int8_roof": roof,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
+        "paged_attention_prefill": pa_prefill,
     }
     save_result(args.out, result, load_before)
     return 0
