@@ -400,43 +400,38 @@ PA_INPUTS = [
 ]  # fmt: skip
 
 
-def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
-    """Decode: one new token per sequence after context - 1 cached ones, blocks shuffled."""
-    blocks_per_seq = context // block
-    num_blocks = seqs * blocks_per_seq
-    cache_shape = (num_blocks, block, kv_heads, head_dim)
-    table = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
-    pos = context - 1
+def pa_inputs(rng, past, new, heads, kv_heads, head_dim, block) -> dict:
+    """Sequences with past[b] cached and new[b] new tokens each, blocks shuffled, every cache
+    slot random."""
+    blocks = [-(-(p + n) // block) for p, n in zip(past, new)]
+    table = np.full((len(blocks), max(blocks)), -1, np.int32)
+    order = rng.permutation(sum(blocks)).astype(np.int32)
+    for b, count in enumerate(blocks):
+        table[b, :count] = order[sum(blocks[:b]) : sum(blocks[: b + 1])]
+    slots = [table[b, pos // block] * block + pos % block
+             for b in range(len(blocks)) for pos in range(past[b], past[b] + new[b])]  # fmt: skip
+    tokens, cache_shape = sum(new), (sum(blocks), block, kv_heads, head_dim)
     return {
-        "query": rng.standard_normal((seqs, heads * head_dim), dtype=np.float32),
-        "key": rng.standard_normal((seqs, kv_heads * head_dim), dtype=np.float32),
-        "value": rng.standard_normal((seqs, kv_heads * head_dim), dtype=np.float32),
+        "query": rng.standard_normal((tokens, heads * head_dim), dtype=np.float32),
+        "key": rng.standard_normal((tokens, kv_heads * head_dim), dtype=np.float32),
+        "value": rng.standard_normal((tokens, kv_heads * head_dim), dtype=np.float32),
         "key_cache": rng.standard_normal(cache_shape, dtype=np.float32),
         "value_cache": rng.standard_normal(cache_shape, dtype=np.float32),
-        "cumulative_sequence_length": np.arange(seqs + 1, dtype=np.int32),
-        "past_seqlens": np.full(seqs, pos, np.int32),
+        "cumulative_sequence_length": np.cumsum([0, *new]).astype(np.int32),
+        "past_seqlens": np.array(past, np.int32),
         "block_table": table,
-        "slot_mapping": (table[:, pos // block] * block + pos % block).astype(np.int32),
+        "slot_mapping": np.array(slots, np.int32),
     }
+
+
+def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
+    """Decode: one new token per sequence after context - 1 cached ones."""
+    return pa_inputs(rng, [context - 1] * seqs, [1] * seqs, heads, kv_heads, head_dim, block)
 
 
 def pa_prefill_feeds(rng, past, new, heads, kv_heads, head_dim, block):
-    """Prefill: one sequence's `new` tokens after `past` cached ones, blocks shuffled."""
-    blocks = -(-(past + new) // block)
-    cache_shape = (blocks, block, kv_heads, head_dim)
-    table = rng.permutation(blocks).astype(np.int32)[None, :]
-    pos = past + np.arange(new)
-    return {
-        "query": rng.standard_normal((new, heads * head_dim), dtype=np.float32),
-        "key": rng.standard_normal((new, kv_heads * head_dim), dtype=np.float32),
-        "value": rng.standard_normal((new, kv_heads * head_dim), dtype=np.float32),
-        "key_cache": rng.standard_normal(cache_shape, dtype=np.float32),
-        "value_cache": rng.standard_normal(cache_shape, dtype=np.float32),
-        "cumulative_sequence_length": np.array([0, new], np.int32),
-        "past_seqlens": np.array([past], np.int32),
-        "block_table": table,
-        "slot_mapping": (table[0, pos // block] * block + pos % block).astype(np.int32),
-    }
+    """Prefill: one sequence's `new` tokens after `past` cached ones."""
+    return pa_inputs(rng, [past], [new], heads, kv_heads, head_dim, block)
 
 
 def bench_paged_attention_prefill(past, new, heads, kv_heads, head_dim, block, reps, seed, clock):

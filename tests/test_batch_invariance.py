@@ -44,21 +44,11 @@ def _scores(out) -> list:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_llama_export, tiny_llama_checkpoint, tiny_quant_export, tmp_path_factory):
+def models(tiny_row_exports, tiny_quant_export) -> dict:
     """Exports by base weights and adapter row type (rows of long segments are widened to
     float32 before the products, those of short ones are not)."""
-    from ort_lora.export import export_model
-
-    out = {"float32": tiny_llama_export, "int4": tiny_quant_export("int4", 4)}
-    for row_type in ("bfloat16", "float16", "int8"):
-        out[f"float32, {row_type} rows"] = export_model(
-            tiny_llama_checkpoint,
-            tmp_path_factory.mktemp(f"invariance_{row_type}") / "model",
-            block_size=8,
-            adapter_dtype=row_type,
-            progress=False,
-        )
-    return out
+    rows = {f"float32, {t} rows": tiny_row_exports[t] for t in ("bfloat16", "float16", "int8")}
+    return {"float32": tiny_row_exports["float32"], "int4": tiny_quant_export("int4", 4), **rows}
 
 
 KINDS = ["float32", "int4", "float32, bfloat16 rows", "float32, float16 rows", "float32, int8 rows"]

@@ -127,25 +127,6 @@ def _lora(name, adapter_dirs):
     return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapter_dirs[name]))
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory):
-    """The tiny export by the type of its adapter rows: float32, bfloat16 or float16 packed two
-    per element of the float32 pool (export --adapter-dtype bfloat16 / float16: half the bytes
-    per step), or int8 with a scale per row (--adapter-dtype int8: a quarter)."""
-    from ort_lora.export import export_model
-
-    out = {"float32": tiny_llama_export}
-    for row_type in ("bfloat16", "float16", "int8"):
-        out[row_type] = export_model(
-            tiny_llama_checkpoint,
-            tmp_path_factory.mktemp(f"tiny_{row_type}") / "model",
-            block_size=8,
-            adapter_dtype=row_type,
-            progress=False,
-        )
-    return out
-
-
 @pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize(
     "limits",
@@ -156,13 +137,15 @@ def exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory):
         dict(max_loras=1, max_num_seqs=2, prefetch_adapters=True),
     ],
 )
-def test_mixed_batch_matches_peft(exports, hf_model, adapter_dirs, requests, limits, adapter_dtype):
+def test_mixed_batch_matches_peft(
+    tiny_row_exports, hf_model, adapter_dirs, requests, limits, adapter_dtype
+):
     """bfloat16, float16 and int8 rows are checked against PEFT whose LoRA weights are rounded
     the same way (adapter_rows.served; float32 arithmetic on both sides), to the same
     tolerance."""
     from peft_cases import served_lora
 
-    llm = LLM(exports[adapter_dtype], num_pages=256, **limits)
+    llm = LLM(tiny_row_exports[adapter_dtype], num_pages=256, **limits)
     assert llm.engine.manifest.adapter_dtype == (
         None if adapter_dtype == "float32" else adapter_dtype
     )
@@ -195,8 +178,9 @@ def test_mixed_batch_matches_peft(exports, hf_model, adapter_dirs, requests, lim
     assert (prefetched > 0) == bool(limits.get("prefetch_adapters"))
 
 
-def test_float16_rows_serve_float16_adapters_exactly(exports, hf_model, adapter_dirs, requests,
-                                                     tmp_path):  # fmt: skip
+def test_float16_rows_serve_float16_adapters_exactly(
+    tiny_row_exports, hf_model, adapter_dirs, requests, tmp_path
+):
     """Adapters saved in float16 (as many are): float16 rows hold their values exactly, so the
     engine matches PEFT on the files as they are, nothing rounded on either side."""
     import shutil
@@ -209,7 +193,7 @@ def test_float16_rows_serve_float16_adapters_exactly(exports, hf_model, adapter_
         half_dirs[name] = shutil.copytree(src, tmp_path / name)
         weights = half_dirs[name] / "adapter_model.safetensors"
         save_file({k: v.astype(np.float16) for k, v in load_file(weights).items()}, weights)
-    llm = LLM(exports["float16"], num_pages=256)
+    llm = LLM(tiny_row_exports["float16"], num_pages=256)
     lora_requests = [_lora(n, half_dirs) for _, n in requests]
     assert_matches_peft(llm, requests, lora_requests, peft_models(hf_model, half_dirs, ADAPTERS),
                         MAX_NEW)  # fmt: skip

@@ -8,9 +8,10 @@
 // A work item is (sequence, chunk of query tokens, context range) over all heads: it streams
 // the cache in memory order (a cache row holds every kv head: [block, slot, kv head, D]), and
 // each K/V row fetched serves every (token, head) of the chunk.
-// A long context is split into ranges of at least kMinSplitKeys keys when there are too few
-// items to keep the threads busy (flash-decoding); the split items write (max, sum, acc) rows
-// that the merge pass combines. How a call is cut never changes a row's bits (pass 2 says how).
+// A long context is split into ranges of whole segments when there are too few items to keep
+// the threads busy (flash-decoding; the plan: paged_attention_plan.h); the split items write
+// (max, sum, acc) rows that the merge pass combines. How a call is cut never changes a row's
+// bits (pass 2 says how).
 #include "paged_attention/paged_attention_cpu.h"
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "paged_attention/attention_math.h"
+#include "paged_attention/paged_attention_plan.h"
 
 // The vector helpers' templates are instantiated here, each always inlined into one ISA's
 // copy: GCC's note that their calls would change the ABI across ISAs never applies.
@@ -35,34 +37,18 @@ using attention_math::Scores;
 using attention_math::V16;
 using attention_math::V4;
 using attention_math::V8;
+using paged_attention::CeilDiv;
+using paged_attention::FirstSegment;
+using paged_attention::kSegmentKeys;
+using paged_attention::MakePlan;
+using paged_attention::Plan;
+using paged_attention::Segments;
+using paged_attention::SplitGroup;
+using paged_attention::WorkItem;
 
-constexpr int64_t kTileKeys = 32;       // keys scored together: one softmax rescale per tile
-constexpr int64_t kRowsPerItem = 32;    // query rows (token x head) per work item, at most
-constexpr int64_t kSegmentKeys = 256;   // keys whose softmax state is folded at once
-constexpr int64_t kMinSplitKeys = 256;  // shortest context range worth its own work item
-static_assert(kMinSplitKeys % kSegmentKeys == 0, "a split range is whole segments");
-constexpr int64_t kTargetItems = 64;     // fewer items than this: split long contexts
+constexpr int64_t kTileKeys = 32;        // keys scored together: one softmax rescale per tile
 constexpr int64_t kTokensPerChunk = 16;  // tokens per item of the prepare and write passes
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Query tokens [q_begin, q_end) of sequence seq (all heads) against keys at positions
-// [ctx_begin, ctx_end). partial < 0: the item sees the whole context and writes the
-// output; else it writes rows [max, sum, acc[D]] of each of its segments at partials + partial.
-struct WorkItem {
-  int32_t seq, q_begin, q_end, ctx_begin, ctx_end;
-  int64_t partial;
-};
-
-// Items [first, first + count) are the context splits of one (sequence, query chunk).
-struct SplitGroup {
-  int64_t first, count;
-};
-
-struct Plan {
-  std::vector<WorkItem> items;
-  std::vector<SplitGroup> splits;
-  int64_t partial_floats = 0;
-};
 
 // Shared state of one call.
 struct Problem {
@@ -75,8 +61,6 @@ struct Problem {
   std::vector<int32_t> positions;  // [T] position of each new token
   std::vector<int32_t> slots;      // [T] cache slot of each new token, -1 = no write
 };
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- pass 1: rotary and scale ------------------------------------------------------------
 
@@ -225,10 +209,6 @@ ORT_LORA_INLINE void AttendTile(const float* q, const KeyRun* runs, int64_t num_
   }
 }
 
-// The segments of keys [lo, hi): [first, last].
-int64_t FirstSegment(int64_t lo) { return lo / kSegmentKeys; }
-int64_t Segments(int64_t lo, int64_t hi) { return (hi - 1) / kSegmentKeys - lo / kSegmentKeys + 1; }
-
 // Output row of query row r = token * num_heads + head of item w.
 float* OutputRow(const Problem& p, const WorkItem& w, int64_t r) {
   return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * p.a.head_size;
@@ -367,47 +347,6 @@ void MergeSplits(const Problem& p, const Plan& plan, const SplitGroup& g) {
     }
     Normalize(out, l, d);
   }
-}
-
-// Work items: every (sequence, query chunk), split over context ranges if few. A split range
-// is whole segments (all but the first and last of a context are full ones).
-Plan MakePlan(const PagedAttentionArgs& a, int64_t group) {
-  const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / group);
-  Plan plan;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < a.num_seqs; ++b) {
-    const int64_t n = a.cu_seqlens[b + 1] - a.cu_seqlens[b], past = a.past_seqlens[b];
-    for (int64_t q0 = 0; q0 < n; q0 += chunk) {
-      const int64_t q1 = std::min(n, q0 + chunk), hi = past + q1;
-      const int64_t lo = a.local_window >= 0 ? std::max<int64_t>(0, past + q0 - a.local_window) : 0;
-      longest = std::max(longest, hi - lo);
-      plan.items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(q0),
-                            static_cast<int32_t>(q1), static_cast<int32_t>(lo),
-                            static_cast<int32_t>(hi), -1});
-    }
-  }
-  const int64_t base = static_cast<int64_t>(plan.items.size());
-  if (base == 0 || base >= kTargetItems) return plan;
-  const int64_t split =
-      std::max(kMinSplitKeys, CeilDiv(longest * base, kTargetItems)) / kSegmentKeys * kSegmentKeys;
-  std::vector<WorkItem> items;
-  for (const WorkItem& w : plan.items) {
-    const int64_t first = w.ctx_begin / split, parts = (w.ctx_end - 1) / split - first + 1;
-    if (parts > 1) plan.splits.push_back({static_cast<int64_t>(items.size()), parts});
-    for (int64_t s = 0; s < parts; ++s) {
-      WorkItem part = w;
-      part.ctx_begin = static_cast<int32_t>(std::max<int64_t>(w.ctx_begin, (first + s) * split));
-      part.ctx_end = static_cast<int32_t>(std::min<int64_t>(w.ctx_end, (first + s + 1) * split));
-      if (parts > 1) {
-        part.partial = plan.partial_floats;
-        plan.partial_floats += Segments(part.ctx_begin, part.ctx_end) * (w.q_end - w.q_begin) *
-                               a.num_heads * (a.head_size + 2);
-      }
-      items.push_back(part);
-    }
-  }
-  plan.items = std::move(items);
-  return plan;
 }
 
 // ---- pass 3: cache write -----------------------------------------------------------------
