@@ -32,8 +32,8 @@ def peft_models(base, dirs: dict[str, Path], names) -> dict:
 def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> float:
     """Generates requests [(prompt ids, adapter name or None)] greedily with prompt_logprobs;
     every prompt logprob within 1e-4 of PEFT's teacher-forced log-softmax and the greedy tokens
-    equal PEFT's generate (test_engine_peft._oracle). Returns the largest |difference|."""
-    from test_engine_peft import _oracle
+    PEFT's (test_engine_peft: _oracle, assert_greedy_matches). Returns the largest |difference|."""
+    from test_engine_peft import _oracle, assert_greedy_matches
 
     from ort_lora import SamplingParams
 
@@ -48,7 +48,7 @@ def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> f
                 worst = max(worst, abs(lp.logprob - logp[pos, token]))
                 message = f"adapter {name} pos {pos} token {token}"
                 np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
-        assert out.outputs[0].token_ids == greedy, f"adapter {name}: greedy tokens differ"
+        assert_greedy_matches(models[name], prompt, out.outputs[0].token_ids, greedy)
     return worst
 
 
