@@ -429,20 +429,21 @@ def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
     return pa_inputs(rng, [context - 1] * seqs, [1] * seqs, heads, kv_heads, head_dim, block)
 
 
-def pa_prefill_feeds(rng, past, new, heads, kv_heads, head_dim, block):
-    """Prefill: one sequence's `new` tokens after `past` cached ones."""
-    return pa_inputs(rng, [past], [new], heads, kv_heads, head_dim, block)
-
-
-def bench_paged_attention_prefill(past, new, heads, kv_heads, head_dim, block, reps, seed, clock):
-    """A prefill chunk (causal, over its cached past too): op time and GFLOPS."""
-    rng = np.random.default_rng(seed)
-    feeds = pa_prefill_feeds(rng, past, new, heads, kv_heads, head_dim, block)
+def pa_runner(feeds, heads, kv_heads, head_dim):
+    """A one-node PagedAttention session over `feeds`, bound, run once: its run function."""
     out = np.empty_like(feeds["query"])
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
     sess = one_node_session("PagedAttention", PA_INPUTS, [("output", F32, 2)], **attrs)
     run_op = bound_runner(sess, feeds, "output", out)
     run_op()
+    return run_op
+
+
+def bench_paged_attention_prefill(past, new, heads, kv_heads, head_dim, block, reps, seed, clock):
+    """A prefill chunk of one sequence (causal, over its cached past too): time and GFLOPS."""
+    rng = np.random.default_rng(seed)
+    feeds = pa_inputs(rng, [past], [new], heads, kv_heads, head_dim, block)
+    run_op = pa_runner(feeds, heads, kv_heads, head_dim)
     keys = sum(past + t + 1 for t in range(new))  # (query, key) pairs, each scored and summed
     t_op, t_op_min = run_times(run_op, reps, clock)
     return {
@@ -457,12 +458,8 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
     """Returns the result row, or None (with a printed reason) when the kernel is missing."""
     rng = np.random.default_rng(seed)
     feeds = pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block)
-    out = np.empty_like(feeds["query"])
-    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
     try:
-        sess = one_node_session("PagedAttention", PA_INPUTS, [("output", F32, 2)], **attrs)
-        run_op = bound_runner(sess, feeds, "output", out)
-        run_op()
+        run_op = pa_runner(feeds, heads, kv_heads, head_dim)
     except Exception as e:  # the kernel is written in parallel with this benchmark
         print(f"PagedAttention kernel not available: {str(e).splitlines()[0][:160]}")
         return None

@@ -40,10 +40,11 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ort_lora.adapter_rows import served  # noqa: E402
+from ort_lora.bench.assets import LORA_MODULES  # noqa: E402
 
 TOLERANCE = 1e-4  # the parity tests' atol on prompt logprobs (tests/peft_cases.py)
 INT16_MAX = 32767
-LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LINEAR = list(LORA_MODULES)
 # the tiny set: the shapes of the engine's PEFT parity tests (tests/test_engine_peft.py)
 TINY_ADAPTERS = {
     "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
