@@ -43,12 +43,12 @@ serve: setup
 lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror $$(find custom_ops -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+	$(VENV)/bin/clang-format --dry-run --Werror $$(find custom_ops ort_lora/bench bench -name '*.cc' -o -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 
 format: setup-test
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
-	$(VENV)/bin/clang-format -i $$(find custom_ops -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+	$(VENV)/bin/clang-format -i $$(find custom_ops ort_lora/bench bench -name '*.cc' -o -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

@@ -17,7 +17,8 @@
                   vocab 49,152 x 576, 4 copies per run) -> speedup per product, and its rate
                   against the core's int8 multiply-add roof (bench/int8_roof.cc, built with
                   the system C++ compiler: vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) for
-                  the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces the AVX2 ones)
+                  the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces our AVX2 ones only;
+                  --hide-avx512 makes MLAS take its AVX2 kernels too)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -56,7 +57,8 @@ from onnx import TensorProto, helper  # noqa: E402
 
 import ort_lora  # noqa: E402
 from ort_lora.adapter_rows import row_elems  # noqa: E402
-from ort_lora.bench.cli import cpu_name  # noqa: E402
+from ort_lora.bench import hide_avx512  # noqa: E402
+from ort_lora.bench.cli import cpu_isa, cpu_name  # noqa: E402
 from ort_lora.ops.lora_sgmv_ref import (  # noqa: E402
     ADAPTER_DTYPES,
     lora_sgmv,
@@ -561,13 +563,9 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock):
 
 
 def quant_isa() -> str:
-    """The QuantMatMul kernels this process runs: the CPU's widest, capped by
-    ORT_LORA_QUANT_ISA as the op library caps it."""
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    """The QuantMatMul kernels this process runs: the CPU's widest (as --hide-avx512 leaves
+    it), capped by ORT_LORA_QUANT_ISA as the op library caps it."""
+    flags = hide_avx512.cpu_flags()
     cap = os.environ.get("ORT_LORA_QUANT_ISA", "avx512")
     if cap == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         return "avx512-vnni"
@@ -602,7 +600,7 @@ def int8_roof() -> dict:
 
 def machine_info() -> dict:
     return {
-        "cpu": cpu_name(), "threads": THREADS, "quant_isa": quant_isa(),
+        "cpu": cpu_name(), "isa": cpu_isa(), "threads": THREADS, "quant_isa": quant_isa(),
         "load_average_after": os.getloadavg(), "python": platform.python_version(),
         "onnxruntime": ort.__version__, "numpy": np.__version__,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
@@ -683,9 +681,19 @@ def main(argv=None) -> int:
         metavar="TEXT",
         help="run only the cases whose name contains one of these (e.g. lm_head8 'qkv x1')",
     )
+    parser.add_argument(
+        "--hide-avx512",
+        action="store_true",
+        help="run as on an AVX2-only CPU: MLAS and the op library both take their AVX2 kernels "
+        "(ort_lora/bench/hide_avx512.py)",
+    )
     args = parser.parse_args(argv)
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
+    if args.hide_avx512:
+        hide_avx512.rerun_hidden(
+            Path(os.environ.get("ORT_LORA_BENCH_CACHE", "~/.cache/ort-lora/bench"))
+        )
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)

