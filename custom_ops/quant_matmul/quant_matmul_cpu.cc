@@ -317,6 +317,10 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
         for (int h = 0; h < NH; ++h) sum16[r][h] = _mm256_setzero_si256();
       const int64_t j1 = std::min(chunks, j0 + kAvx2Flush);
       for (int64_t j = j0; j < j1; ++j, w += kChunkBytes) {
+        if (t.next)
+          for (int h = 0; h < NH; h += 2)
+            _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes) + 32 * h),
+                         _MM_HINT_T1);
 #pragma GCC unroll 8
         for (int h = 0; h < NH; ++h) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
@@ -394,6 +398,8 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, co
       for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
       const int8_t* xb = xq + b * a.block_size;
       for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
+        if (t.next && half == 0)  // the next tile's line of this strip (both halves)
+          _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes)), _MM_HINT_T1);
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
         const __m256i lo = _mm256_and_si256(packed, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
