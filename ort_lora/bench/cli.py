@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hide-avx512",
         action="store_true",
         help="run every system as on an AVX2-only CPU: CPUID denies AVX-512, AVX-VNNI and AMX "
-        "to all of them (needs an AVX-512 CPU with CPUID faulting; bench/hide_avx512.py)",
+        "to all of them (needs an AVX-512 CPU with CPUID faulting; ort_lora/bench/hide_avx512.py)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
