@@ -58,7 +58,7 @@ from onnx import TensorProto, helper  # noqa: E402
 import ort_lora  # noqa: E402
 from ort_lora.adapter_rows import row_elems  # noqa: E402
 from ort_lora.bench import hide_avx512  # noqa: E402
-from ort_lora.bench.cli import cpu_isa, cpu_name  # noqa: E402
+from ort_lora.bench.cli import cpu_isa, cpu_name, default_cache_dir  # noqa: E402
 from ort_lora.ops.lora_sgmv_ref import (  # noqa: E402
     ADAPTER_DTYPES,
     lora_sgmv,
@@ -691,9 +691,7 @@ def main(argv=None) -> int:
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
     if args.hide_avx512:
-        hide_avx512.rerun_hidden(
-            Path(os.environ.get("ORT_LORA_BENCH_CACHE", "~/.cache/ort-lora/bench"))
-        )
+        hide_avx512.rerun_hidden(Path(default_cache_dir()))
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)

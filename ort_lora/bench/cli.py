@@ -54,6 +54,11 @@ ALL_SYSTEMS = (
 )
 
 
+def default_cache_dir() -> str:
+    """Where built models, adapters and peers go unless --cache-dir says otherwise."""
+    return os.environ.get("ORT_LORA_BENCH_CACHE", "~/.cache/ort-lora/bench")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ort-lora bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/bench", help="results directory")
     p.add_argument(
         "--cache-dir",
-        default=os.environ.get("ORT_LORA_BENCH_CACHE", "~/.cache/ort-lora/bench"),
+        default=default_cache_dir(),
         help="built models and generated adapters (reused between runs)",
     )
     p.add_argument("--systems", help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")

@@ -71,9 +71,14 @@ def why_not() -> str | None:
         return "this CPU has no AVX-512 to hide (run without --hide-avx512)"
     if "cpuid_fault" not in flags:
         return "this CPU or its hypervisor cannot fault on CPUID (no cpuid_fault flag)"
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if compiler() is None:
         return "no C compiler ($CC, cc, gcc) to build the preload library"
     return None
+
+
+def compiler() -> str | None:
+    """The C compiler the preload is built with: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def library(cache_root: Path) -> Path:
@@ -84,7 +89,7 @@ def library(cache_root: Path) -> Path:
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    cc = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    cc = compiler() or "cc"
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     built = subprocess.run(
         [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"],
