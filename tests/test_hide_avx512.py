@@ -101,6 +101,16 @@ def test_refuses_with_the_reason(monkeypatch, tmp_path):
         hide_avx512.rerun_hidden(tmp_path)
 
 
+def test_a_new_build_replaces_the_copies_of_earlier_sources(tmp_path):
+    stale = tmp_path / "hide-avx512" / "hide_avx512-000000000000.so"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an older build")
+    lib = hide_avx512.library(tmp_path)
+    assert lib.is_file() and lib != stale
+    assert sorted(stale.parent.iterdir()) == [lib]
+    assert hide_avx512.library(tmp_path) == lib  # built once
+
+
 def test_environment_adds_to_what_is_there(tmp_path):
     env = hide_avx512.environment(
         tmp_path / "x.so", {"LD_PRELOAD": "a.so", "GLIBC_TUNABLES": "t=1"}

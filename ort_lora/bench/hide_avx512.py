@@ -83,7 +83,7 @@ def compiler() -> str | None:
 
 def library(cache_root: Path) -> Path:
     """The preload library under the cache, compiled when missing (RuntimeError if it
-    cannot be)."""
+    cannot be); copies built from earlier versions of the source are removed then."""
     tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     lib = Path(cache_root).expanduser() / "hide-avx512" / f"hide_avx512-{tag}.so"
     if lib.is_file():
@@ -99,6 +99,9 @@ def library(cache_root: Path) -> Path:
     if built.returncode != 0:
         raise RuntimeError(f"{cc} failed on {SOURCE.name}: {built.stderr.strip()[-300:]}")
     tmp.replace(lib)
+    for old in lib.parent.glob("hide_avx512-*.so"):
+        if old != lib:
+            old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
     return lib
 
 
