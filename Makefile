@@ -2,7 +2,7 @@
 #   make serve   set everything up on a fresh machine, then serve the default model + demo adapters
 #                (options through ARGS, e.g. make serve ARGS="--port 9000")
 #   make test    set everything up, build the op library, run style checks and the tests
-# Longer checks: make fuzz (SCALE=10: 10x the fuzzing of `make test`), make soak (SOAK_ARGS=...)
+# Longer checks: make fuzz (SCALE=25: 25x the fuzzing of `make test`), make soak (SOAK_ARGS=...)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -55,7 +55,7 @@ test: lint
 
 # The reliability suite's long modes (bounded versions run in `make test`; docs/RELIABILITY.md)
 fuzz: setup-test
-	ORT_LORA_FUZZ_SCALE=$${SCALE:-10} $(PY) -m pytest -q tests/reliability
+	ORT_LORA_FUZZ_SCALE=$${SCALE:-25} $(PY) -m pytest -q tests/reliability
 
 soak: setup-test
 	$(PY) tests/reliability/soak.py $(SOAK_ARGS)
