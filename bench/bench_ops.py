@@ -18,7 +18,9 @@
                   against the core's int8 multiply-add roof (bench/int8_roof.cc, built with
                   the system C++ compiler: vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) for
                   the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces our AVX2 ones only;
-                  --hide-avx512 makes MLAS take its AVX2 kernels too)
+                  --hide-avx512 makes MLAS take its AVX2 kernels too), the float32 MatMul's
+                  against the float32 FMA roof, and the two roofs' ratio (int8_over_f32: what
+                  vs_f32 is with both at the same share of their roofs)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -558,6 +560,7 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock):
         "vs_nbits": nbits / quant,
         "vs_f32": f32 / quant,
         "quant_gops": 2 * rows * k * n / quant / 1e9,
+        "f32_gflops": 2 * rows * k * n / f32 / 1e9,
         "quant_min_ms": quant_min * 1e3,
     }
 
@@ -573,8 +576,9 @@ def quant_isa() -> str:
 
 
 def int8_roof() -> dict:
-    """{"avx2_gops", "avx512_vnni_gops"} of one core (bench/int8_roof.cc, compiled here with
-    $CXX or c++), or {"error": why} when it cannot be built or run."""
+    """{"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops", "fma_zmm_gflops"} of one core
+    (bench/int8_roof.cc, compiled here with $CXX or c++), or {"error": why} when it cannot be
+    built or run."""
     import shutil
     import subprocess
     import tempfile
@@ -729,8 +733,13 @@ def main(argv=None) -> int:
         quant_rows.append(bench_quant(*shape, layers=layers, reps=reps, seed=90 + i, clock=clock))
     roof = int8_roof() if quant_rows else {}
     roof_gops = roof.get("avx512_vnni_gops" if quant_isa() == "avx512-vnni" else "avx2_gops")
-    for row in quant_rows:  # per core: the roof is one core's
+    # float32 MatMul runs MLAS's AVX-512 kernels where the CPU shows AVX-512F, else its FMA3 ones
+    f32_roof = roof.get("fma_zmm_gflops") or roof.get("fma_ymm_gflops")
+    if roof_gops and f32_roof:  # the most vs_f32 can be with both ops at the same share of roof
+        roof["int8_over_f32"] = round(roof_gops / f32_roof, 2)
+    for row in quant_rows:  # per core: the roofs are one core's
         row["of_roof"] = row["quant_gops"] / THREADS / roof_gops if roof_gops else None
+        row["f32_of_roof"] = row["f32_gflops"] / THREADS / f32_roof if f32_roof else None
     pa, pa_prefill = None, []
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
@@ -757,10 +766,11 @@ def main(argv=None) -> int:
     title += " of rank 32 (per call; ratios of medians)"
     print_table(title, mix_rows, cols)
     cols = ["case", "rows", "k", "n", "bits", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits"]
-    cols += ["vs_f32", "quant_gops", "of_roof"]
+    cols += ["vs_f32", "quant_gops", "of_roof", "f32_gflops", "f32_of_roof"]
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
-    title += f" / QuantMatMul's; of_roof = GOPS per thread / the int8 roof: {roof})"
+    title += " / QuantMatMul's; of_roof = GOPS per thread / the int8 roof, f32_of_roof = float32"
+    title += f" MatMul's GFLOPS per thread / the float32 FMA roof: {roof})"
     print_table(title, quant_rows, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]

@@ -4,9 +4,13 @@
 //   avx2    vpmaddubsw (u8 x s8 pairs into int16) + vpaddw into int16 accumulators: what
 //           QuantMatMul's AVX2 kernel does per 32 products
 //   avx512  vpdpbusd (AVX-512 VNNI: u8 x s8 quads into int32): its AVX-512 kernel's step
-// Prints one JSON object: {"avx2_gops": ..., "avx512_vnni_gops": ... or null}, GOPS counting
-// a multiply-add as 2 operations, per second of this thread's CPU time. Built and run by
-// bench_ops.py (c++ -O2).
+// and, beside them, the float32 roof of the same core that the float32 MatMul it is compared
+// with is built on: vfmadd231ps on ymm (FMA3, MLAS's AVX2 kernels) and on zmm (AVX-512F, MLAS's
+// kernels where the CPU has it). The int8 roof over the float32 one bounds how much faster than
+// a float32 MatMul an int8 kernel can be when both run at the same share of their roofs.
+// Prints one JSON object: {"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops",
+// "fma_zmm_gflops"} (null where the CPU lacks the instructions), counting a multiply-add as 2
+// operations, per second of this thread's CPU time. Built and run by bench_ops.py (c++ -O2).
 #include <immintrin.h>
 #include <time.h>
 
@@ -37,22 +41,40 @@ double Gops(Body body, double ops_per_iter) {
   return ops_per_iter * kIters / best / 1e9 + (sink == 12345 ? 1e-12 : 0.0);
 }
 
-// 8 accumulators, 8 distinct products (4 left x 2 right operands): 14 of the 16 ymm registers.
+// 8 accumulators, each fed by a product of its own, in inline assembly: written in C, GCC
+// either computes a product once for the accumulators that share its operands or, with 8
+// distinct operand pairs, keeps accumulators on the stack (their store-to-load chains held an
+// earlier version of this loop to under half the rate).
 __attribute__((target("avx2"))) int Avx2(long iters) {
-  constexpr int kAcc2 = 8;
-  __m256i acc[kAcc2], a[4];
-  for (int i = 0; i < kAcc2; ++i) acc[i] = _mm256_set1_epi16(static_cast<short>(i));
-  for (int i = 0; i < 4; ++i) a[i] = _mm256_set1_epi8(static_cast<char>(3 + i));
-  __m256i b0 = _mm256_set1_epi8(-2), b1 = _mm256_set1_epi8(1);
+  // named accumulators, not an array: GCC stores an array's elements every iteration
+  __m256i c0 = _mm256_set1_epi16(0), c1 = _mm256_set1_epi16(1), c2 = _mm256_set1_epi16(2),
+          c3 = _mm256_set1_epi16(3), c4 = _mm256_set1_epi16(4), c5 = _mm256_set1_epi16(5),
+          c6 = _mm256_set1_epi16(6), c7 = _mm256_set1_epi16(7);
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
   for (long n = 0; n < iters; ++n) {
-    // opaque operands: the products are computed again every iteration
-    __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(b0), "+x"(b1));
-#pragma GCC unroll 8
-    for (int i = 0; i < kAcc2; ++i)
-      acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a[i % 4], i < 4 ? b0 : b1));
+    __asm__ volatile(
+        "vpmaddubsw %[b], %[a], %%ymm12\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm13\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm15\n\t"
+        "vpaddw %%ymm12, %[c0], %[c0]\n\t"
+        "vpaddw %%ymm13, %[c1], %[c1]\n\t"
+        "vpaddw %%ymm14, %[c2], %[c2]\n\t"
+        "vpaddw %%ymm15, %[c3], %[c3]\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm12\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm13\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b], %[a], %%ymm15\n\t"
+        "vpaddw %%ymm12, %[c4], %[c4]\n\t"
+        "vpaddw %%ymm13, %[c5], %[c5]\n\t"
+        "vpaddw %%ymm14, %[c6], %[c6]\n\t"
+        "vpaddw %%ymm15, %[c7], %[c7]"
+        : [c0] "+x"(c0), [c1] "+x"(c1), [c2] "+x"(c2), [c3] "+x"(c3), [c4] "+x"(c4), [c5] "+x"(c5),
+          [c6] "+x"(c6), [c7] "+x"(c7)
+        : [a] "x"(a), [b] "x"(b)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
   }
-  __m256i sum = acc[0];
-  for (int i = 1; i < kAcc2; ++i) sum = _mm256_xor_si256(sum, acc[i]);
+  const __m256i sum = (c0 ^ c1) ^ (c2 ^ c3) ^ (c4 ^ c5) ^ (c6 ^ c7);
   return _mm256_extract_epi32(sum, 0);
 }
 
@@ -70,6 +92,41 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int Avx512Vnni(long iters
   return _mm_cvtsi128_si32(_mm512_castsi512_si128(sum));
 }
 
+// kAcc independent float32 multiply-add chains, a product near 1 so that the sums stay finite.
+__attribute__((target("avx2,fma"))) int Fma3(long iters) {
+  __m256 acc[kAcc];
+  __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  for (int i = 0; i < kAcc; ++i) acc[i] = b;
+  for (long n = 0; n < iters; ++n) {
+#pragma GCC unroll 10
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+    __asm__ volatile("" : "+x"(a), "+x"(b));
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < kAcc; ++i) sum += _mm256_cvtss_f32(acc[i]);
+  return static_cast<int>(sum);
+}
+
+__attribute__((target("avx512f"))) int Fma512(long iters) {
+  __m512 acc[kAcc];
+  __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+  for (int i = 0; i < kAcc; ++i) acc[i] = b;
+  for (long n = 0; n < iters; ++n) {
+#pragma GCC unroll 10
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < kAcc; ++i) sum += _mm512_cvtss_f32(acc[i]);
+  return static_cast<int>(sum);
+}
+
+void PrintField(const char* name, bool has, double value, const char* after) {
+  std::printf("\"%s\": ", name);
+  has ? std::printf("%.1f", value) : std::printf("null");
+  std::printf("%s", after);
+}
+
 }  // namespace
 
 int main() {
@@ -79,10 +136,15 @@ int main() {
   // 32 multiply-adds per vpmaddubsw (ymm), 64 per vpdpbusd (zmm); 2 operations each
   const double avx2_gops = avx2 ? Gops(Avx2, 8 * 32 * 2.0) : -1.0;
   const double vnni_gops = vnni ? Gops(Avx512Vnni, kAcc * 64 * 2.0) : -1.0;
-  std::printf("{\"avx2_gops\": ");
-  avx2 ? std::printf("%.1f", avx2_gops) : std::printf("null");
-  std::printf(", \"avx512_vnni_gops\": ");
-  vnni ? std::printf("%.1f", vnni_gops) : std::printf("null");
-  std::printf("}\n");
+  // 8 float32 multiply-adds per ymm vfmadd231ps, 16 per zmm
+  const bool fma3 = avx2 && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const double ymm_gflops = fma3 ? Gops(Fma3, kAcc * 8 * 2.0) : -1.0;
+  const double zmm_gflops = avx512 ? Gops(Fma512, kAcc * 16 * 2.0) : -1.0;
+  std::printf("{");
+  PrintField("avx2_gops", avx2, avx2_gops, ", ");
+  PrintField("avx512_vnni_gops", vnni, vnni_gops, ", ");
+  PrintField("fma_ymm_gflops", fma3, ymm_gflops, ", ");
+  PrintField("fma_zmm_gflops", avx512, zmm_gflops, "}\n");
   return 0;
 }

@@ -1,6 +1,6 @@
-"""bench/bench_ops.py's QuantMatMul context: the int8 multiply-add roof it builds from
-bench/int8_roof.cc and the kernel ISA it reports (the numbers themselves are the benchmark's,
-never checked here)."""
+"""bench/bench_ops.py's QuantMatMul context: the int8 multiply-add and float32 FMA roofs it
+builds from bench/int8_roof.cc and the kernel ISA it reports (the numbers themselves are the
+benchmark's, never checked here)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def test_roof_builds_and_measures_the_isas_this_cpu_has(bench_ops):
         assert roof["avx512_vnni_gops"] > 1.0
     else:
         assert roof["avx512_vnni_gops"] is None
+    if {"avx2", "fma"} <= flags:
+        assert roof["fma_ymm_gflops"] > 1.0
+    if "avx512f" in flags:
+        assert roof["fma_zmm_gflops"] > 1.0
+    else:
+        assert roof["fma_zmm_gflops"] is None
 
 
 def test_quant_isa_follows_the_cap(bench_ops, monkeypatch):
