@@ -8,6 +8,9 @@ the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapt
   fused      q/k/v in one node and gate/up in one (attribute modules: 4 nodes a layer)
   *_base     the same nodes, every row without an adapter (one segment, slot -1): the op's
              fixed cost
+  cached     (--cached) fused, every layer reading layer 0's rows (one layer's pool share:
+             11 MB of float32 rows, inside a server CPU's L3): how fast the kernel is when
+             memory is not what bounds it
 
 for each adapter row type (float32, bfloat16, float16, int8). Per step: the time (median of
 paired runs, the variants in turn), the adapter rows' bytes read and their rate (GB/s), that
@@ -16,7 +19,7 @@ threads: the rows are only read, so 1.0 is as fast as memory goes), and the time
 rows alone takes at that bandwidth (floor_ms: no kernel of this op can be faster).
 
 Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--dtypes float32,int8]
-       [--layouts separate,fused] [--out results/bench_lora_step.json]
+       [--layouts separate,fused] [--cached] [--out results/bench_lora_step.json]
 """
 
 from __future__ import annotations
@@ -247,9 +250,9 @@ def row_bytes_per_step(dtype: str) -> int:
     return 4 * per_adapter * RANK * ADAPTERS * LAYERS
 
 
-def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str]) -> dict:
+def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str], cached: bool) -> dict:
     """For each layout (GROUPS: separate, fused), the step without adapters (base) and with
-    them, all in turn within every rep."""
+    them, and with `cached` the fused step on one layer's rows, all in turn within every rep."""
     rng = np.random.default_rng(seed)
     mixed = step_feeds(rng, dtype)
     # every row without an adapter: one segment of slot -1
@@ -262,12 +265,16 @@ def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str]) -> dict:
         check_one_layer(GROUPS[layout], dtype, mixed)
         runs[f"{layout}_base"] = step_runner(GROUPS[layout], dtype, base)
         runs[layout] = step_runner(GROUPS[layout], dtype, mixed)
+    if cached:
+        one = {f"{c}.{layer}": mixed[f"{c}.0"] for c in ("key_cache", "value_cache")
+               for layer in range(LAYERS)}  # fmt: skip
+        runs["cached"] = step_runner(GROUPS["fused"], dtype, mixed | one)
     times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
     row_bytes = row_bytes_per_step(dtype)
     row = {"dtype": dtype, "row_mb": row_bytes / 1e6}
     for kind, (median, best) in zip(runs, times, strict=True):
         row |= {f"{kind}_ms": median * 1e3, f"{kind}_min_ms": best * 1e3}
-    for layout in layouts:
+    for layout in layouts + ["cached"] * cached:
         row[f"{layout}_gbps"] = row_bytes / (row[f"{layout}_ms"] / 1e3) / 1e9
     if len(layouts) == 2:
         row["fused_vs_separate"] = row["separate_ms"] / row["fused_ms"]
@@ -287,6 +294,11 @@ def main(argv=None) -> int:
         help="node layouts: separate (one node per module) and fused (modules sharing x in one "
         "node; a library from before attribute modules runs separate only)",
     )
+    parser.add_argument(
+        "--cached",
+        action="store_true",
+        help="also the fused step with every layer on layer 0's rows (in cache: the kernel alone)",
+    )
     parser.add_argument("--out", default="results/bench_lora_step.json", help="JSON output path")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
@@ -295,7 +307,7 @@ def main(argv=None) -> int:
     rows = []
     for i, dtype in enumerate(args.dtypes.split(",")):
         print(f"[{i + 1}] LoraSGMV decode step, {dtype} rows ...", flush=True)
-        rows.append(bench_dtype(dtype, args.reps, i, layouts))
+        rows.append(bench_dtype(dtype, args.reps, i, layouts, args.cached))
         rows[-1]["floor_ms"] = rows[-1]["row_mb"] / bandwidth
         for layout in layouts:
             rows[-1][f"{layout}_vs_read"] = rows[-1][f"{layout}_gbps"] / bandwidth
@@ -303,6 +315,7 @@ def main(argv=None) -> int:
     for layout in layouts:
         cols += [f"{layout}_base_ms", f"{layout}_ms", f"{layout}_gbps", f"{layout}_vs_read"]
     cols += ["fused_vs_separate"] if len(layouts) == 2 else []
+    cols += ["cached_ms", "cached_gbps"] if args.cached else []
     print(
         f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {ROWS} rows, {ADAPTERS} "
         f"adapters of rank {RANK}); read bandwidth {bandwidth:.1f} GB/s"
