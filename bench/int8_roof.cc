@@ -92,34 +92,27 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int Avx512Vnni(long iters
   return _mm_cvtsi128_si32(_mm512_castsi512_si128(sum));
 }
 
-// kAcc independent float32 multiply-add chains, a product near 1 so that the sums stay finite.
-__attribute__((target("avx2,fma"))) int Fma3(long iters) {
-  __m256 acc[kAcc];
-  __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+// kAcc independent float32 multiply-add chains on vectors V (GCC vector extensions: each
+// acc * a + b is one vfmadd in the FMA3 and AVX-512 clones below), a product near 1 so that
+// the sums stay finite.
+template <typename V>
+inline __attribute__((always_inline)) int FmaChains(long iters) {
+  V acc[kAcc], a = V{} + 0.999f, b = V{} + 1e-3f;
   for (int i = 0; i < kAcc; ++i) acc[i] = b;
   for (long n = 0; n < iters; ++n) {
 #pragma GCC unroll 10
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-    __asm__ volatile("" : "+x"(a), "+x"(b));
-  }
-  float sum = 0.0f;
-  for (int i = 0; i < kAcc; ++i) sum += _mm256_cvtss_f32(acc[i]);
-  return static_cast<int>(sum);
-}
-
-__attribute__((target("avx512f"))) int Fma512(long iters) {
-  __m512 acc[kAcc];
-  __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-  for (int i = 0; i < kAcc; ++i) acc[i] = b;
-  for (long n = 0; n < iters; ++n) {
-#pragma GCC unroll 10
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < kAcc; ++i) acc[i] = acc[i] * a + b;
     __asm__ volatile("" : "+v"(a), "+v"(b));
   }
   float sum = 0.0f;
-  for (int i = 0; i < kAcc; ++i) sum += _mm512_cvtss_f32(acc[i]);
+  for (int i = 0; i < kAcc; ++i) sum += acc[i][0];
   return static_cast<int>(sum);
 }
+
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef float F32x16 __attribute__((vector_size(64)));
+__attribute__((target("avx2,fma"))) int Fma3(long iters) { return FmaChains<F32x8>(iters); }
+__attribute__((target("avx512f"))) int Fma512(long iters) { return FmaChains<F32x16>(iters); }
 
 void PrintField(const char* name, bool has, double value, const char* after) {
   std::printf("\"%s\": ", name);
