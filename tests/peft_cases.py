@@ -1,5 +1,5 @@
-"""Shared by the DoRA and composition tests against PEFT: the composition tests' adapter
-configs, and one generate() call checked request by request against PEFT."""
+"""Shared by the tests against PEFT: the composition tests' adapter configs, one output checked
+against PEFT, and one generate() call checked request by request."""
 
 from __future__ import annotations
 
@@ -29,26 +29,37 @@ def peft_models(base, dirs: dict[str, Path], names) -> dict:
     return models
 
 
-def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> float:
-    """Generates requests [(prompt ids, adapter name or None)] greedily with prompt_logprobs;
-    every prompt logprob within 1e-4 of PEFT's teacher-forced log-softmax and the greedy tokens
-    PEFT's (test_engine_peft: _oracle, assert_greedy_matches). Returns the largest |difference|."""
+def assert_output_matches_peft(model, prompt, out, label, oracle=None) -> float:
+    """One greedy output with prompt_logprobs against PEFT's `model` on `prompt`: every prompt
+    logprob within 1e-4 of PEFT's teacher-forced log-softmax (the actual token among them) and
+    the greedy tokens PEFT's (test_engine_peft: _oracle, assert_greedy_matches; `oracle`: its
+    result, when the caller has it). Returns the largest |difference|."""
     from test_engine_peft import _oracle, assert_greedy_matches
 
+    logp, greedy = oracle or _oracle(model, prompt)
+    assert out.prompt_logprobs[0] is None
+    worst = 0.0
+    for pos, entry in enumerate(out.prompt_logprobs[1:]):
+        assert prompt[pos + 1] in entry, f"{label}: position {pos + 1} lacks the actual token"
+        for token, lp in entry.items():
+            worst = max(worst, abs(lp.logprob - logp[pos, token]))
+            message = f"adapter {label} pos {pos} token {token}"
+            np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
+    assert_greedy_matches(model, prompt, out.outputs[0].token_ids, greedy)
+    return worst
+
+
+def assert_matches_peft(llm, requests, lora_requests, models, max_new: int) -> float:
+    """Generates requests [(prompt ids, adapter name or None)] greedily with prompt_logprobs,
+    each output checked against PEFT's models[name] (assert_output_matches_peft). Returns the
+    largest |difference|."""
     from ort_lora import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new, prompt_logprobs=3, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, lora_requests)
     worst = 0.0
     for (prompt, name), out in zip(requests, outs, strict=True):
-        logp, greedy = _oracle(models[name], prompt)
-        for pos, entry in enumerate(out.prompt_logprobs[1:]):
-            assert prompt[pos + 1] in entry, f"{name}: position {pos + 1} lacks the actual token"
-            for token, lp in entry.items():
-                worst = max(worst, abs(lp.logprob - logp[pos, token]))
-                message = f"adapter {name} pos {pos} token {token}"
-                np.testing.assert_allclose(lp.logprob, logp[pos, token], atol=1e-4, err_msg=message)
-        assert_greedy_matches(models[name], prompt, out.outputs[0].token_ids, greedy)
+        worst = max(worst, assert_output_matches_peft(models[name], prompt, out, name))
     return worst
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 
 from ort_lora import LLM, LoRARequest, SamplingParams
@@ -145,8 +144,8 @@ def test_composed_single_and_base_sequences_under_preemption_keep_the_books(seed
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from peft_cases import COMPOSE_ADAPTERS  # noqa: E402
-from test_engine_peft import MAX_NEW, PROMPTS, _oracle, assert_greedy_matches  # noqa: E402
+from peft_cases import COMPOSE_ADAPTERS, assert_output_matches_peft  # noqa: E402
+from test_engine_peft import MAX_NEW, PROMPTS  # noqa: E402
 
 PEFT_ADAPTERS = COMPOSE_ADAPTERS
 # the terms of each kind of request: (adapter, weight); () = base
@@ -209,15 +208,7 @@ def test_composed_single_dora_and_base_requests_match_peft_and_run_alone(
     for (prompt, terms), out, lora in zip(requests, outs, loras, strict=True):
         if terms not in models:
             models[terms] = peft_model(hf_model, adapter_dirs, terms)
-        logp, greedy = _oracle(models[terms], prompt)
-        for pos, entry in enumerate(out.prompt_logprobs[1:]):
-            assert prompt[pos + 1] in entry, f"{terms}: position {pos + 1} lacks the token"
-            for token, lp in entry.items():
-                worst = max(worst, abs(lp.logprob - logp[pos, token]))
-                np.testing.assert_allclose(
-                    lp.logprob, logp[pos, token], atol=1e-4, err_msg=f"{terms} pos {pos}"
-                )
-        assert_greedy_matches(models[terms], prompt, out.outputs[0].token_ids, greedy)
+        worst = max(worst, assert_output_matches_peft(models[terms], prompt, out, terms))
         alone = llm.generate([{"prompt_token_ids": prompt}], PARAMS, [lora])[0]
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids, f"{terms} alone"
         for mixed, single in zip(_prompt_lps(out), _prompt_lps(alone), strict=True):

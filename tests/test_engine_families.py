@@ -18,7 +18,8 @@ from ort_lora.export.tiny import save_random_adapters, tiny_config, write_random
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from test_engine_peft import MAX_NEW, _oracle, assert_greedy_matches  # noqa: E402 (after the importorskips)
+from peft_cases import assert_output_matches_peft  # noqa: E402 (after the importorskips)
+from test_engine_peft import MAX_NEW, _oracle  # noqa: E402
 
 ATTENTION = {
     "phi3": ["qkv_proj", "o_proj"],  # PEFT's names on Phi-3: the fused module
@@ -77,11 +78,8 @@ def test_mixed_batch_matches_peft(family_setup):
     models = {None: base} | {n: model for n, (model, _) in adapters.items()}
     worst = 0.0
     for (prompt, name), result in zip(requests, outs, strict=True):
-        logp, greedy = _oracle(models[name], prompt)  # [P, vocab], PEFT's greedy tokens
+        oracle = _oracle(models[name], prompt)  # [P, vocab] logprobs, PEFT's greedy tokens
         if name is not None:  # the comparison would not see an adapter that does nothing
-            assert np.abs(logp - _oracle(base, prompt)[0]).max() > 1e-2
-        for pos, entry in enumerate(result.prompt_logprobs[1:]):
-            assert prompt[pos + 1] in entry
-            worst = max(worst, *(abs(lp.logprob - logp[pos, t]) for t, lp in entry.items()))
-        assert_greedy_matches(models[name], prompt, result.outputs[0].token_ids, greedy)
+            assert np.abs(oracle[0] - _oracle(base, prompt)[0]).max() > 1e-2
+        worst = max(worst, assert_output_matches_peft(models[name], prompt, result, name, oracle))
     assert worst <= 1e-4, f"max |prompt logprob - PEFT's| = {worst:.3g}"

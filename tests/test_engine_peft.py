@@ -152,36 +152,18 @@ def test_mixed_batch_matches_peft(
     """bfloat16, float16 and int8 rows are checked against PEFT whose LoRA weights are rounded
     the same way (adapter_rows.served; float32 arithmetic on both sides), to the same
     tolerance."""
-    from peft_cases import served_lora
+    from peft_cases import assert_matches_peft, served_lora
 
     llm = LLM(tiny_row_exports[adapter_dtype], num_pages=256, **limits)
     assert llm.engine.manifest.adapter_dtype == (
         None if adapter_dtype == "float32" else adapter_dtype
     )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, prompt_logprobs=3, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p, _ in requests],
-        params,
-        lora_request=[_lora(n, adapter_dirs) for _, n in requests],
-    )
     models = {None: hf_model}
     models |= {
         n: served_lora(_peft_model(hf_model, adapter_dirs[n]), adapter_dtype) for n in ADAPTERS
     }
-    for (prompt, name), out in zip(requests, outs):
-        logp, greedy = _oracle(models[name], prompt)
-        assert out.prompt_logprobs[0] is None
-        for pos, entry in enumerate(out.prompt_logprobs[1:]):
-            actual = prompt[pos + 1]
-            assert actual in entry, f"{name}: position {pos + 1} lacks the actual token"
-            for token, lp in entry.items():
-                np.testing.assert_allclose(
-                    lp.logprob,
-                    logp[pos, token],
-                    atol=1e-4,
-                    err_msg=f"adapter {name} pos {pos} token {token}",
-                )
-        assert_greedy_matches(models[name], prompt, out.outputs[0].token_ids, greedy)
+    loras = [_lora(n, adapter_dirs) for _, n in requests]
+    assert_matches_peft(llm, requests, loras, models, MAX_NEW)
     stats = llm.engine.pool.stats()
     prefetched = stats.adapter_loads - stats.adapter_misses  # loads no admission waited for
     assert (prefetched > 0) == bool(limits.get("prefetch_adapters"))
