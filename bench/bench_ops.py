@@ -20,7 +20,9 @@
                   the kernels in use (ORT_LORA_QUANT_ISA=avx2 forces our AVX2 ones only;
                   --hide-avx512 makes MLAS take its AVX2 kernels too), the float32 MatMul's
                   against the float32 FMA roof, and the two roofs' ratio (int8_over_f32: what
-                  vs_f32 is with both at the same share of their roofs)
+                  vs_f32 is with both at the same share of their roofs); with the AVX2
+                  kernels, the 4-bit rows' rate against their own inner loop run alone on
+                  data in L1 (of_q4_loop: what scales, memory and the op around it cost)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -576,9 +578,9 @@ def quant_isa() -> str:
 
 
 def int8_roof() -> dict:
-    """{"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops", "fma_zmm_gflops"} of one core
-    (bench/int8_roof.cc, compiled here with $CXX or c++), or {"error": why} when it cannot be
-    built or run."""
+    """{"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops", "fma_zmm_gflops",
+    "avx2_q4_loop_gops"} of one core (bench/int8_roof.cc, compiled here with $CXX or c++), or
+    {"error": why} when it cannot be built or run."""
     import shutil
     import subprocess
     import tempfile
@@ -737,9 +739,13 @@ def main(argv=None) -> int:
     f32_roof = roof.get("fma_zmm_gflops") or roof.get("fma_ymm_gflops")
     if roof_gops and f32_roof:  # the most vs_f32 can be with both ops at the same share of roof
         roof["int8_over_f32"] = round(roof_gops / f32_roof, 2)
+    # the AVX2 4-bit kernels' own loop, data in L1 and no float scaling: their ceiling
+    loop_gops = roof.get("avx2_q4_loop_gops") if quant_isa() == "avx2" else None
     for row in quant_rows:  # per core: the roofs are one core's
         row["of_roof"] = row["quant_gops"] / THREADS / roof_gops if roof_gops else None
         row["f32_of_roof"] = row["f32_gflops"] / THREADS / f32_roof if f32_roof else None
+        of_loop = loop_gops and row["bits"] == 4
+        row["of_q4_loop"] = row["quant_gops"] / THREADS / loop_gops if of_loop else None
     pa, pa_prefill = None, []
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
@@ -767,10 +773,12 @@ def main(argv=None) -> int:
     print_table(title, mix_rows, cols)
     cols = ["case", "rows", "k", "n", "bits", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits"]
     cols += ["vs_f32", "quant_gops", "of_roof", "f32_gflops", "f32_of_roof"]
+    cols += ["of_q4_loop"] if loop_gops else []
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
     title += " / QuantMatMul's; of_roof = GOPS per thread / the int8 roof, f32_of_roof = float32"
-    title += f" MatMul's GFLOPS per thread / the float32 FMA roof: {roof})"
+    title += " MatMul's GFLOPS per thread / the float32 FMA roof, of_q4_loop = GOPS per thread /"
+    title += f" the AVX2 4-bit kernel's loop alone: {roof})"
     print_table(title, quant_rows, cols)
     if pa is not None:
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]

@@ -8,14 +8,23 @@
 // with is built on: vfmadd231ps on ymm (FMA3, MLAS's AVX2 kernels) and on zmm (AVX-512F, MLAS's
 // kernels where the CPU has it). The int8 roof over the float32 one bounds how much faster than
 // a float32 MatMul an int8 kernel can be when both run at the same share of their roofs.
+// And one ceiling below the AVX2 roof: avx2_q4_loop, the inner loop of QuantMatMul's 4-bit
+// AVX2 kernel for 4 rows (custom_ops/quant_matmul/quant_matmul_cpu.cc, TileAvx2Rows<4>: a
+// chunk's codes split into nibbles once, then per row two broadcasts of x, two vpmaddubsw and
+// two vpaddw into int16 sums, widened by vpmaddwd once per 32 k), over codes and x that stay
+// in L1, with no per-block float scaling: what the kernel's instructions allow before memory,
+// scales and the op around it.
 // Prints one JSON object: {"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops",
-// "fma_zmm_gflops"} (null where the CPU lacks the instructions), counting a multiply-add as 2
-// operations, per second of this thread's CPU time. Built and run by bench_ops.py (c++ -O2).
+// "fma_zmm_gflops", "avx2_q4_loop_gops"} (null where the CPU lacks the instructions), counting
+// a multiply-add as 2 operations, per second of this thread's CPU time. Built and run by
+// bench_ops.py (c++ -O2).
 #include <immintrin.h>
 #include <time.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 namespace {
 
@@ -30,15 +39,15 @@ double ThreadSeconds() {  // this thread's CPU time: a shared machine's other jo
 
 // The best of 3 timed runs after a warm-up.
 template <typename Body>
-double Gops(Body body, double ops_per_iter) {
-  int sink = body(kIters / 10);
+double Gops(Body body, double ops_per_iter, long iters = kIters) {
+  int sink = body(iters / 10);
   double best = 1e30;
   for (int i = 0; i < 3; ++i) {
     const double t0 = ThreadSeconds();
-    sink ^= body(kIters);
+    sink ^= body(iters);
     best = std::min(best, ThreadSeconds() - t0);
   }
-  return ops_per_iter * kIters / best / 1e9 + (sink == 12345 ? 1e-12 : 0.0);
+  return ops_per_iter * iters / best / 1e9 + (sink == 12345 ? 1e-12 : 0.0);
 }
 
 // 8 accumulators, each fed by a product of its own, in inline assembly: written in C, GCC
@@ -109,6 +118,54 @@ inline __attribute__((always_inline)) int FmaChains(long iters) {
   return static_cast<int>(sum);
 }
 
+// The 4-bit AVX2 kernel's loop, one pass = 4 rows x 16 columns (two halves of 8) x kQ4K, in
+// the kernel's layout (a 256-byte chunk per 8 k of a 64-column tile; a half reads 32 bytes
+// of it) and with its instructions; widened to float once per 32 k.
+constexpr int kQ4Rows = 4, kQ4K = 256;
+constexpr long kQ4Passes = 200'000;
+constexpr double kQ4Ops = 2.0 * kQ4Rows * 16 * kQ4K;
+alignas(64) uint8_t q4_codes[kQ4K / 8 * 256];
+alignas(64) int8_t q4_x[kQ4Rows * kQ4K];
+
+__attribute__((target("avx2"))) int Avx2Q4Loop(long passes) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[kQ4Rows];
+  for (int r = 0; r < kQ4Rows; ++r) acc[r] = _mm256_setzero_ps();
+  for (long n = 0; n < passes; ++n) {
+    __asm__ volatile("" ::: "memory");  // the codes and x are read again every pass
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* w = q4_codes + 32 * half;
+#pragma GCC unroll 1
+      for (int j0 = 0; j0 < kQ4K / 8; j0 += 4) {
+        __m256i sum16[kQ4Rows];
+#pragma GCC unroll 4
+        for (int r = 0; r < kQ4Rows; ++r) sum16[r] = _mm256_setzero_si256();
+        for (int j = j0; j < j0 + 4; ++j, w += 256) {
+          const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
+          const __m256i lo = _mm256_and_si256(packed, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 4
+          for (int r = 0; r < kQ4Rows; ++r) {
+            int32_t x0, x1;
+            std::memcpy(&x0, q4_x + r * kQ4K + 8 * j, 4);
+            std::memcpy(&x1, q4_x + r * kQ4K + 8 * j + 4, 4);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
+            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(p0, p1));
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < kQ4Rows; ++r)
+          acc[r] = _mm256_add_ps(acc[r], _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones)));
+      }
+    }
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes,
+                   _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  return static_cast<int>(lanes[0]);
+}
+
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef float F32x16 __attribute__((vector_size(64)));
 __attribute__((target("avx2,fma"))) int Fma3(long iters) { return FmaChains<F32x8>(iters); }
@@ -134,10 +191,14 @@ int main() {
   const bool avx512 = __builtin_cpu_supports("avx512f");
   const double ymm_gflops = fma3 ? Gops(Fma3, kAcc * 8 * 2.0) : -1.0;
   const double zmm_gflops = avx512 ? Gops(Fma512, kAcc * 16 * 2.0) : -1.0;
+  std::memset(q4_codes, 0x35, sizeof q4_codes);
+  std::memset(q4_x, 3, sizeof q4_x);
+  const double q4_gops = avx2 ? Gops(Avx2Q4Loop, kQ4Ops, kQ4Passes) : -1.0;
   std::printf("{");
   PrintField("avx2_gops", avx2, avx2_gops, ", ");
   PrintField("avx512_vnni_gops", vnni, vnni_gops, ", ");
   PrintField("fma_ymm_gflops", fma3, ymm_gflops, ", ");
-  PrintField("fma_zmm_gflops", avx512, zmm_gflops, "}\n");
+  PrintField("fma_zmm_gflops", avx512, zmm_gflops, ", ");
+  PrintField("avx2_q4_loop_gops", avx2, q4_gops, "}\n");
   return 0;
 }
