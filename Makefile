@@ -2,7 +2,8 @@
 #   make serve   set everything up on a fresh machine, then serve the default model + demo adapters
 #                (options through ARGS, e.g. make serve ARGS="--port 9000")
 #   make test    set everything up, build the op library, run style checks and the tests
-# Longer checks: make fuzz (SCALE=25: 25x the fuzzing of `make test`), make soak (SOAK_ARGS=...)
+# Longer checks: make fuzz (SCALE=25: 25x the fuzzing of `make test`), make soak (SOAK_ARGS=...),
+#   make ray (the Ray Serve tests with those that start deployments of their own)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -12,7 +13,7 @@ SERVE_STAMP := $(VENV)/.ort-lora-serve
 TEST_STAMP := $(VENV)/.ort-lora-test
 ARGS ?=
 
-.PHONY: setup setup-test serve test lint format fuzz soak
+.PHONY: setup setup-test serve test lint format fuzz soak ray
 
 # The build tools go in first: the project is built without isolation (so the op library's
 # build tree is reused between installs), and so is every sdist among its dependencies, which
@@ -59,3 +60,7 @@ fuzz: setup-test
 
 soak: setup-test
 	$(PY) tests/reliability/soak.py $(SOAK_ARGS)
+
+# Every Ray Serve test: `make test` leaves out affinity and --lora-modules outside the root
+ray: setup-test
+	ORT_LORA_RAY_LONG=1 $(PY) -m pytest -q tests/test_ray_cluster.py tests/test_ray_parts.py

@@ -43,6 +43,12 @@ ADAPTERS = {
     "a3": dict(r=4, lora_alpha=4, target_modules="all-linear"),
 }
 MODELS = [None, "a0", "a1", "a2"]  # base + 3 adapters (a3 is loaded at run time)
+# `make ray` (ORT_LORA_RAY_LONG=1) adds the tests that each start a deployment of their own
+# (affinity under both routings, --lora-modules outside the root): a minute on 2 cores
+long_mode = pytest.mark.skipif(
+    os.environ.get("ORT_LORA_RAY_LONG") != "1",
+    reason="a deployment of its own: `make ray` runs it (ORT_LORA_RAY_LONG=1)",
+)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46]]
 K = 3  # --max-adapters-per-replica: 4 adapters fit on 2 replicas, not on one
 ENGINE = dict(num_pages=256, intra_op_num_threads=1)
@@ -339,6 +345,7 @@ class TestTwoReplicas:
         assert [complete(served, c)[0]["text"] for c in cases] == want
 
 
+@long_mode
 def test_lora_modules_outside_the_adapter_root(
     tiny_llama_export, adapter_root, reference, cluster, tmp_path
 ):
@@ -383,6 +390,7 @@ def reported(url: str, names, total: int) -> dict | None:
     return figures if count == total else None
 
 
+@long_mode
 @pytest.mark.parametrize("routing", ["adapter", "default"])
 def test_affinity(tiny_llama_export, adapter_root, cluster, routing, record_property):
     """Adapter routing (Ray Serve multiplexing) keeps each adapter on one replica, so nearly
