@@ -10,10 +10,9 @@
 // a float32 MatMul an int8 kernel can be when both run at the same share of their roofs.
 // And one ceiling below the AVX2 roof: avx2_q4_loop, the inner loop of QuantMatMul's 4-bit
 // AVX2 kernel for 4 rows (custom_ops/quant_matmul/quant_matmul_cpu.cc, TileAvx2Rows<4>: a
-// chunk's codes split into nibbles once, then per row two broadcasts of x, two vpmaddubsw and
-// two vpaddw into int16 sums, widened by vpmaddwd once per 32 k), over codes and x that stay
-// in L1, with no per-block float scaling: what the kernel's instructions allow before memory,
-// scales and the op around it.
+// chunk's codes split into nibbles once, then per row two broadcasts of x, two vpmaddubsw,
+// vpaddw, vpmaddwd and vpaddd), over codes and x that stay in L1, with no per-block float
+// scaling: what the kernel's instructions allow before memory, scales and the op around it.
 // Prints one JSON object: {"avx2_gops", "avx512_vnni_gops", "fma_ymm_gflops",
 // "fma_zmm_gflops", "avx2_q4_loop_gops"} (null where the CPU lacks the instructions), counting
 // a multiply-add as 2 operations, per second of this thread's CPU time. Built and run by
@@ -137,9 +136,9 @@ __attribute__((target("avx2"))) int Avx2Q4Loop(long passes) {
       const uint8_t* w = q4_codes + 32 * half;
 #pragma GCC unroll 1
       for (int j0 = 0; j0 < kQ4K / 8; j0 += 4) {
-        __m256i sum16[kQ4Rows];
+        __m256i dot[kQ4Rows];
 #pragma GCC unroll 4
-        for (int r = 0; r < kQ4Rows; ++r) sum16[r] = _mm256_setzero_si256();
+        for (int r = 0; r < kQ4Rows; ++r) dot[r] = _mm256_setzero_si256();
         for (int j = j0; j < j0 + 4; ++j, w += 256) {
           const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
           const __m256i lo = _mm256_and_si256(packed, nibble);
@@ -151,12 +150,12 @@ __attribute__((target("avx2"))) int Avx2Q4Loop(long passes) {
             std::memcpy(&x1, q4_x + r * kQ4K + 8 * j + 4, 4);
             const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
             const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
-            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(p0, p1));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
           }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < kQ4Rows; ++r)
-          acc[r] = _mm256_add_ps(acc[r], _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones)));
+          acc[r] = _mm256_add_ps(acc[r], _mm256_cvtepi32_ps(dot[r]));
       }
     }
   }

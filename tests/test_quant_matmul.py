@@ -178,15 +178,15 @@ def test_empty_rows(rng):
 def test_extreme_codes(bits, zeros, block, rng):
     """The lowest and highest codes against x of +-127 after quantization: AVX2's int16 pair
     sums stay exact (8 bits: code - 128 = -128 times 127, twice, is the largest pair), and so
-    do its int16 sums over a block's chunks (4 bits: rows of x all 127 against columns of the
-    top code, the largest sums; a block of 128 is widened in parts)."""
+    do the one-row kernel's int16 sums over a block's chunks (4 bits: rows of x all 127 against
+    columns of the top code, the largest sums; a block of 128 is widened in parts)."""
     n, k, top = 40, 256, 2**bits - 1
     q = weights(rng, n, k, block, zeros=zeros, bits=bits)
     codes = np.where(rng.random((n, k)) < 0.5, 0, top).astype(np.uint8)
     codes[:20] = top
     q = dataclasses.replace(q, codes=pack_codes(codes, bits, block))
     x = np.where(rng.random((9, k)) < 0.5, -1.0, 1.0).astype(np.float32)
-    x[:3] = 1.0  # in the first row group of every kernel
+    x[[0, 1, 2, 8]] = 1.0  # in the first row group of every kernel, and the last row alone
     np.testing.assert_allclose(run(q, x), expected(q, x), rtol=RTOL, atol=ATOL)
 
 

@@ -375,10 +375,9 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, con
   HalvesAvx2<1, 8>(p, t);
 }
 
-// Several rows: MR rows x the call's strips, eight columns (one half) at a time, each half's
-// int16 sums widened once per kAvx2Flush chunks as the one-row kernel's are (the whole tile in
-// one call and the int16 sums: 1.05-1.2x the same kernel one strip a call, widening every
-// chunk; 2 to 512 rows, forced AVX2 on an AVX-512 EPYC, one thread).
+// Several rows: MR rows x one strip, eight columns (one half) at a time, each chunk's int16
+// products widened at once (faster here than HalvesAvx2's int16 sums for 2+ rows: fewer
+// registers live).
 template <int MR>
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
@@ -388,48 +387,42 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, co
   const float* xqsum = p.xqsum + t.row * blocks;
   const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t half = 0; half < 2 * kStrips; ++half) {
+  for (int64_t half = 0; half < 2; ++half) {
     const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
     if (columns <= 0) break;
     const uint8_t* w = t.codes + 32 * half;
     __m256 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = b * kQuantTile + 8 * half;
-      const __m256 s = _mm256_loadu_ps(t.scales + at);
+      __m256i dot[MR];
+      for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
       const int8_t* xb = xq + b * a.block_size;
-      for (int64_t j0 = 0; j0 < chunks; j0 += kAvx2Flush) {
-        __m256i sum16[MR];
-        for (int r = 0; r < MR; ++r) sum16[r] = _mm256_setzero_si256();
-        const int64_t j1 = std::min(chunks, j0 + kAvx2Flush);
-        for (int64_t j = j0; j < j1; ++j, w += kChunkBytes) {
-          if (t.next && half % 2 == 0)  // the next tile's line of this strip (both halves)
-            _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes)), _MM_HINT_T1);
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-          const __m256i lo = _mm256_and_si256(packed, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-#pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const auto [x0, x1] = XQuads(xb + r * k, j);
-            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
-            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
-            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(p0, p1));
-          }
-        }
+      for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
+        if (t.next && half == 0)  // the next tile's line of this strip (both halves)
+          _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes)), _MM_HINT_T1);
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i lo = _mm256_and_si256(packed, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
-          const __m256i dot = _mm256_madd_epi16(sum16[r], ones);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sx, acc[r]);
+          const auto [x0, x1] = XQuads(xb + r * k, j);
+          const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
+          const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
         }
       }
+      const int64_t at = b * kQuantTile + 8 * half;
+      const __m256 s = _mm256_loadu_ps(t.scales + at);
       const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                                         reinterpret_cast<const __m128i*>(t.zeros + at))))
                                   : _mm256_set1_ps(8.0f);
       const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r)
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sx, acc[r]);
         acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
+      }
       if (xsum) {
         const __m256 off = _mm256_loadu_ps(t.offsets + at);
 #pragma GCC unroll 4
@@ -483,9 +476,9 @@ TileKernels Int4Kernels(Isa isa) {
                                       TileAvx512<7, 2>, TileAvx512<8, 2>};
   static constexpr int avx512_strips[] = {4, 4, 4, 2, 2, 2, 2, 2};
   // AVX2 (16 ymm registers): one row streams the whole tile (8 halves, one broadcast of x for
-  // all); 2-4 rows the whole tile too, half by half.
+  // all); 2-4 rows one strip, half by half.
   static constexpr TileFn avx2[] = {TileAvx2Row, TileAvx2Rows<2>, TileAvx2Rows<3>, TileAvx2Rows<4>};
-  static constexpr int avx2_strips[] = {4, 4, 4, 4};
+  static constexpr int avx2_strips[] = {4, 1, 1, 1};
   if (isa == Isa::kAvx512) return {avx512, avx512_strips, 8};
   if (isa == Isa::kAvx2) return {avx2, avx2_strips, 4};
 #endif
