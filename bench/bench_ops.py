@@ -101,18 +101,22 @@ SETTLE_S = 0.02
 def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, float]]:
     """(median, min) time of each fn, the fns run in turn within every rep, so a busy phase of
     a shared machine slows them all alike (for ratios between them); with THREADS > 1, after
-    SETTLE_S of quiet before each timed run."""
+    SETTLE_S of quiet before each timed run. Each rep starts one fn further on, so every fn
+    takes every place in the turn equally often: a fn run right after another finds the
+    caches as that one left them (two kernels on the same weights, timed always in one order,
+    favoured the second by 5-10 %)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, t in zip(fns, times, strict=True):
+    for rep in range(reps):
+        for i in range(len(fns)):
+            at = (rep + i) % len(fns)
             if THREADS > 1:
                 time.sleep(SETTLE_S)
             t0 = clock()
-            fn()
-            t.append(clock() - t0)
+            fns[at]()
+            times[at].append(clock() - t0)
     return [(float(np.median(t)), float(np.min(t))) for t in times]
 
 

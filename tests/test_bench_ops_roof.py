@@ -66,3 +66,23 @@ def test_quant_isa_follows_the_cap(bench_ops, monkeypatch):
 def test_roof_reports_a_compiler_failure(bench_ops, monkeypatch):
     monkeypatch.setenv("CXX", "false")
     assert "failed" in bench_ops.int8_roof()["error"]
+
+
+def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops, monkeypatch):
+    """Every fn takes every place in the turn equally often, and each fn's times are its own
+    (a fake clock that fn i moves on by i + 1)."""
+    monkeypatch.setattr(bench_ops, "THREADS", 1)
+    now, order = [0.0], []
+
+    def fn(i):
+        def run():
+            order.append(i)
+            now[0] += i + 1
+
+        return run
+
+    times = bench_ops.paired_times([fn(i) for i in range(3)], 6, lambda: now[0], warmup=1)
+    assert [median for median, _ in times] == [1.0, 2.0, 3.0]
+    timed = [order[3 + 3 * r : 6 + 3 * r] for r in range(6)]  # after the warm-up turn
+    assert [turn[0] for turn in timed] == [0, 1, 2, 0, 1, 2]
+    assert all(sorted(turn) == [0, 1, 2] for turn in timed)
