@@ -352,6 +352,7 @@ def test_dora_and_composed_segments(dtype, rank, mix, rng):
 Y_FROM_NODE_CASES = {
     "prefill": ([6, 5, 300, 2], [0, -1, 1, 0], None, ()),
     "decode": ([1] * 12, [0, 1, 2, 3, -1, 0, 1, 2, 3, 1, 1, 0], None, ()),
+    "no_adapter": ([1, 1, 5], [-1, -1, -1], None, ()),
 } | MIXES
 
 
@@ -527,6 +528,54 @@ def test_bad_inputs(dtype, mutate, match, rng):
     feeds = valid_feeds(rng, dtype)
     mutate(feeds)
     run_expect_error(feeds, match, dtype)
+
+
+def no_adapter_feeds(rng, dtype):
+    """valid_feeds' rows without an adapter: every seg_slots entry -1, no composition."""
+    feeds = valid_feeds(rng, dtype)
+    feeds["seg_slots"][:] = -1
+    return feeds
+
+
+# Tables that fail a call whose segments use them (test_bad_inputs)
+UNUSED_BAD_TABLES = {
+    "a_offsets out of range": lambda f: f["a_offsets"].__setitem__((0, 2), -3),
+    "ranks out of range": lambda f: f["ranks"].__setitem__((0, 0), 5),
+    "scales of another shape": lambda f: f.update(scales=f["scales"][:, :1]),
+    "caches of two shapes": lambda f: f.update(value_cache=f["value_cache"][:-1]),
+    "seg_starts non-monotonic": lambda f: f["seg_starts"].__setitem__(1, 6),
+}
+
+
+@pytest.mark.parametrize("bad", list(UNUSED_BAD_TABLES))
+@each_dtype
+def test_a_call_without_adapter_rows_reads_no_table(dtype, bad, rng):
+    """Every seg_slots entry -1 and no composition entry (a decode step of requests without
+    adapters): y_out is y bit for bit, read from y, x and seg_slots alone, so a table no row
+    uses is not checked; with a slot in one segment the same table fails the call."""
+    feeds = no_adapter_feeds(rng, dtype)
+    UNUSED_BAD_TABLES[bad](feeds)
+    np.testing.assert_array_equal(session(0, dtype).run(None, feeds)[0], feeds["y"])
+    feeds["seg_slots"][0] = 0
+    with pytest.raises(Exception, match="LoraSGMV"):
+        session(0, dtype).run(None, feeds)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda f: f.update(x=f["x"][:-1]), r"input 'x' dim 0 must be 9 \(T, the rows of y\)"),
+        (lambda f: f.update(y=f["y"][..., None]), r"input 'y' must have rank 2, got shape"),
+        (lambda f: f["seg_slots"].__setitem__(1, -2), r"seg_slots\[1\] = -2 must be in"),
+    ],
+    ids=["x rows", "y rank", "slot -2"],
+)
+@each_dtype
+def test_a_call_without_adapter_rows_checks_x_y_and_the_slots(dtype, mutate, match, rng):
+    feeds = no_adapter_feeds(rng, dtype)
+    mutate(feeds)
+    with pytest.raises(Exception, match=match):  # the op's own checks: no declared shapes
+        make_session(0, shapeless=True, **ATTRS[dtype]).run(None, feeds)
 
 
 @each_dtype

@@ -181,6 +181,8 @@ LAYOUTS = {
     "prefill": ([17, 9, 33, 12], [1, -1, 0, 2],
                 [[8, 4, 16, 0, 2], [8, 0, 16, 4, 2], [8, 4, 16, 0, 2]],
                 [(1, 0, 0.6), (1, 4, 0.4)], [[2], [2], []]),
+    "no_adapter": ([1, 1, 4], [-1, -1, -1],
+                   [[16, 4, 8, 0, 1], [16, 0, 8, 4, 1], [16, 4, 8, 0, 1]], (), [[], [], []]),
     "mixed": ([1, 20, 0, 3, 11, 1, 2], [3, 0, -1, -1, -1, 2, 1],
               [[16, 4, 8, 0, 1], [16, 0, 8, 4, 1], [16, 4, 8, 0, 1]],
               [(3, 3, 0.8), (4, 0, 0.25), (4, 4, 0.5), (2, 0, 2.0)], [[2], [2], [2]]),
@@ -222,7 +224,7 @@ def test_all_base_rows(dtype, rng):
         np.testing.assert_array_equal(got, feeds[f"y_{m}"])
 
 
-@pytest.mark.parametrize("layout", ["decode_dora_composed", "prefill", "mixed"])
+@pytest.mark.parametrize("layout", ["decode_dora_composed", "prefill", "mixed", "no_adapter"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_y_produced_by_other_nodes(dtype, layout, rng):
     """y_m = 2 * y_in_m and every output doubled again: intermediate tensors, so ORT may run
@@ -287,6 +289,14 @@ def test_bad_module_inputs_are_named(mutate, match, rng):
     feeds = valid_feeds(rng)
     mutate(feeds)
     with pytest.raises(Exception, match=match):
+        make_session(3, "float32").run(None, feeds)
+
+
+def test_a_call_without_adapter_rows_checks_every_y(rng):
+    """No segment with a slot: only y_m, x and the slots are read, each y_m still checked."""
+    feeds = make_case(rng, "float32", [2, 1, 3], [-1, -1, -1], [[4, 2], [2, 4], [4, 4]])
+    feeds["y_2"] = feeds["y_2"][:-1]
+    with pytest.raises(Exception, match=r"input 'y_2' dim 0 must be 6 \(T, the rows of x"):
         make_session(3, "float32").run(None, feeds)
 
 

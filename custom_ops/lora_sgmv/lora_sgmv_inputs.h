@@ -253,10 +253,12 @@ inline SgmvMetadata ReadSgmvMetadata(const LoraSgmvInputs& in, int64_t layer) {
           DataOrNull<int64_t>(in.dora_offsets)};
 }
 
-// The pool share (key_cache, value_cache) of a call; elem_size is the caches' element size.
+// The pool share (key_cache, value_cache, whose shapes ReadLoraSgmvInputs checked) of a call;
+// elem_size is the caches' element size.
 inline SgmvPool ReadSgmvPool(const LoraSgmvInputs& in, int64_t elem_size, SgmvRowLayout rows) {
-  return {in.key_cache.value.GetTensorRawData(), in.value_cache.value.GetTensorRawData(),
-          static_cast<int64_t>(in.key_cache.value.GetTensorTypeAndShapeInfo().GetElementCount()),
+  int64_t half = 1;
+  for (int64_t d : in.key_cache.shape) half *= d;
+  return {in.key_cache.value.GetTensorRawData(), in.value_cache.value.GetTensorRawData(), half,
           elem_size, rows};
 }
 

@@ -72,8 +72,10 @@
 // Limits: rank <= 512 (kMaxRank), also for the sum of a segment's terms. Bad inputs (shapes,
 // non-monotonic seg_starts, slot or rank out of range, a used row outside key_cache / value_cache,
 // a weight not finite, a composed DoRA slot) fail with an error naming them (the checks, shared
-// with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never read. The kernel is
-// lora_sgmv_cpu.h.
+// with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never read. A call whose
+// segments have no term (every seg_slots entry -1, no composition entry: a step without
+// adapters) is y_out = y and reads only y, x, seg_slots and comp_segs; its other inputs are
+// not checked. The kernel is lora_sgmv_cpu.h.
 #pragma once
 
 #include "common/ort_common.h"
