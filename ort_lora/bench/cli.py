@@ -378,7 +378,11 @@ def _meta(args, argv, built: dict, notes: list[str]) -> dict:
     return {
         "command": "ort-lora bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}",
+        "machine": ", ".join(
+            part
+            for part in (platform.machine(), f"{os.cpu_count()} cores", platform.processor())
+            if part  # platform.processor() is "" on Linux
+        ),
         "cpu": cpu_name(),
         "isa": cpu_isa(),
         "python": platform.python_version(),
