@@ -128,3 +128,36 @@ def test_session_rejects_bad_arguments(tiny_llama_export, tmp_path):
         ModelSession(tiny_llama_export, num_pages=0)
     with pytest.raises(FileNotFoundError, match="not an exported ort-lora model"):
         ModelSession(tmp_path, num_pages=4)
+
+
+def test_read_only_inputs_given_again_are_not_bound_again(tiny_llama_export, rng):
+    """An input given as the same read-only array as in the run before (the registry's cached
+    LoRA tables) is not bound again: ORT reads that array's own memory. New and writeable arrays
+    are bound every run; every run computes with what it was given."""
+    sess = ModelSession(tiny_llama_export, num_pages=NUM_PAGES, intra_op_num_threads=1)
+    _, lora = _place_adapter(sess, rank=4, first_page=12, rng=rng)
+    for table in lora.values():
+        table.setflags(write=False)
+    bound = []
+    bind = sess.binding.bind_cpu_input
+    sess.binding.bind_cpu_input = lambda name, arr: (bound.append(name), bind(name, arr))[1]
+    bs = sess.manifest.block_size
+    plan = base_plan((rng.integers(0, 256, 9).tolist(), 0, [0, 1], range(9)), block_size=bs)
+
+    def step(slot: int, **tables) -> np.ndarray:
+        bound.clear()
+        inputs = build_metadata(plan, bs) | lora | tables
+        inputs[C.LORA_SEG_STARTS] = np.asarray([0, 9], np.int32)
+        inputs[C.LORA_SEG_SLOTS] = np.asarray([slot], np.int32)
+        return sess.run(inputs)
+
+    first = step(0)
+    assert set(lora) <= set(bound)
+    np.testing.assert_array_equal(step(0), first)
+    assert bound and not set(bound) & set(lora)  # the metadata is new each run, the tables not
+    assert np.abs(step(-1) - first).max() > 1e-3  # the adapter's slot taken away: rebound
+    scales = next(name for name in lora if name.endswith("_scales"))
+    writeable = lora[scales].copy()
+    for _ in range(2):
+        step(0, **{scales: writeable})
+        assert scales in bound

@@ -44,7 +44,10 @@ class StepInputs:
             if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
                 raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
             parts = {s: self._part(a, pages, num_pages, layouts[a]) for s, a, pages in key[1]}
-            self._last = (key, step_tables(parts, self.manifest))
+            tables = step_tables(parts, self.manifest)
+            for array in tables.values():  # kept for later steps, which may bind them as they are
+                array.setflags(write=False)
+            self._last = (key, tables)
         out = self._last[1]  # with E = 0 composition entries if the export has them
         if segments is None:
             return out
