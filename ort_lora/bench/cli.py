@@ -353,6 +353,8 @@ def _measure(runs: list[dict], built: dict, args, log: Path) -> list[dict]:
         spec = plan.to_spec(run, models, adapters, built["genai_adapters"], args.threads)
         if args.no_preload_adapters:
             spec.options["preload_adapters"] = False
+        if built["scale"].pool_bytes and spec.system in ("ort-lora", "ort-lora-http"):
+            spec.options.setdefault("pool_bytes", built["scale"].pool_bytes)
         key = json.dumps([spec.system, spec.workload, spec.options, spec.adapters])
         if key in done:
             results.append({**done[key], "label": spec.label, "experiment": spec.experiment})

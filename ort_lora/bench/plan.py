@@ -54,6 +54,10 @@ class Scale:
     cluster: dict | None = None  # the Ray cluster's trace and replicas (None: no cluster runs)
     prefix: dict | None = None  # the prefix experiment's traces (None: no prefix runs)
     gguf: dict | None = None  # the gguf experiment's sizes (None: no gguf runs)
+    # the pool of every ort-lora engine and server that sets none of its own (None: the
+    # engine's default, a tenth of the memory available, which the tiny model never fills and
+    # which takes seconds to zero in each run's fresh process)
+    pool_bytes: int | None = None
 
 
 # The shapes the benchmark's targets are stated at (docs/BENCHMARKS.md): 8 prompt + 64 new
@@ -112,6 +116,7 @@ QUICK = Scale(
         unshared_rate=20.0,
     ),
     gguf=dict(one_at_a_time=2, at_once=8, adapters=4, rounds=2),
+    pool_bytes=256 << 20,
 )
 
 # (system, label, pattern): the rows of the systems experiment, in the order they run: each

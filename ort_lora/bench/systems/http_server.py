@@ -31,13 +31,18 @@ def _free_port() -> int:
 
 
 def serve_command(
-    model_dir: str, port: int, adapters: list[str], preload: bool = True
+    model_dir: str,
+    port: int,
+    adapters: list[str],
+    preload: bool = True,
+    pool_bytes: int | None = None,
 ) -> list[str]:
-    """`ort-lora serve` with its default pool, max_loras and host adapter cache, adapters
-    named a0, a1, ... (preload False: --no-preload-adapters)."""
+    """`ort-lora serve` with its default pool (or one of pool_bytes), max_loras and host adapter
+    cache, adapters named a0, a1, ... (preload False: --no-preload-adapters)."""
     cmd = [sys.executable, "-m", "ort_lora.cli", "serve", model_dir, "--port", str(port)]
     cmd += ["--log-level", "warning", "--max-num-seqs", "64"]
     cmd += [] if preload else ["--no-preload-adapters"]
+    cmd += [] if pool_bytes is None else ["--pool-memory-mb", str(pool_bytes >> 20)]
     if adapters:
         cmd += ["--lora-modules", *[f"a{i}={a}" for i, a in enumerate(adapters)]]
     return cmd
@@ -46,7 +51,8 @@ def serve_command(
 def start_server(spec: RunSpec, workload: Workload, port: int) -> subprocess.Popen:
     model = spec.models[spec.options.get("model", "ort_lora")]
     preload = spec.options.get("preload_adapters", True)
-    cmd = serve_command(model, port, spec.adapters[: workload.num_adapters], preload)
+    pool = spec.options.get("pool_bytes")
+    cmd = serve_command(model, port, spec.adapters[: workload.num_adapters], preload, pool)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
