@@ -138,6 +138,18 @@ def test_echo_with_generated_tokens(server, client):
     assert choice.text == prompt_text + plain.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_ends_by_length_when_the_hidden_token_would_stop(client, stream):
+    """The one token made for max_tokens 0 is never shown: every token id a stop token (so it
+    surely stops) still gives finish_reason length and no stop_reason."""
+    every = {"stop_token_ids": list(range(256))}  # the tiny vocabulary
+    r = client.completions.create(model="qv", prompt=PROMPT_IDS, echo=True, max_tokens=0,
+                                  stream=stream, extra_body=every)  # fmt: skip
+    choices = [c for chunk in r for c in chunk.choices] if stream else r.choices
+    assert [c.finish_reason for c in choices if c.finish_reason] == ["length"]
+    assert all(getattr(c, "stop_reason", None) is None for c in choices)
+
+
 def test_max_tokens_zero_without_echo_returns_nothing(client):
     r = client.completions.create(model="qv", prompt=PROMPT_IDS, max_tokens=0)
     assert r.choices[0].text == "" and r.usage.completion_tokens == 0

@@ -117,7 +117,11 @@ class CompletionFormat(_Format):
         if self.req.max_tokens != 0:
             return c
         lps = None if c.logprobs is None else []
-        return replace(c, text="", token_ids=[], logprobs=lps, cumulative_logprob=None)
+        # nothing was asked for, so nothing stopped it: the hidden token may be EOS or a stop
+        # token, and the choice still ends by length (as vLLM's does)
+        ended = "length" if c.finish_reason == "stop" else c.finish_reason
+        return replace(c, text="", token_ids=[], logprobs=lps, cumulative_logprob=None,
+                       finish_reason=ended, stop_reason=None)  # fmt: skip
 
     def ready(self, c: CompletionOutput, out: RequestOutput) -> bool:
         return not self.echo_logprobs or bool(c.token_ids) or c.finish_reason is not None
