@@ -578,6 +578,46 @@ def test_a_call_without_adapter_rows_checks_x_y_and_the_slots(dtype, mutate, mat
         make_session(0, shapeless=True, **ATTRS[dtype]).run(None, feeds)
 
 
+def rank_zero_feeds(rng, dtype):
+    """valid_feeds' rows and slots 0 and 1 in use, of rank 4 at layer 0 and rank 0 at layer 1
+    (adapters without the module there, as PEFT's q_proj/v_proj ones are at o_proj)."""
+    return make_case(rng, dtype, [3, 2, 4], [0, -1, 1], [4, 4], layer_ranks=[[4, 4], [0, 0]])
+
+
+@pytest.mark.parametrize("bad", list(UNUSED_BAD_TABLES))
+@each_dtype
+def test_a_call_whose_adapters_have_rank_0_at_the_layer_reads_no_rows(dtype, bad, rng):
+    """Slots in use, each of rank 0 at the node's layer: y_out is y bit for bit and no table
+    but the ranks is read; at the layer where they have rank 4, the same table fails the call."""
+    feeds = rank_zero_feeds(rng, dtype)
+    UNUSED_BAD_TABLES[bad](feeds)
+    np.testing.assert_array_equal(session(1, dtype).run(None, feeds)[0], feeds["y"])
+    with pytest.raises(Exception, match="LoraSGMV"):
+        session(0, dtype).run(None, feeds)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda f: f["ranks"].__setitem__((1, 1), 5), r"ranks\[1, 1\] = 5 must be"),
+        (lambda f: f["ranks"].__setitem__((1, 1), -1), r"ranks\[1, 1\] = -1 must be"),
+        (lambda f: f["seg_slots"].__setitem__(0, 2), r"seg_slots\[0\] = 2 must be in"),
+        (
+            lambda f: f.update(ranks=f["ranks"][:1], scales=f["scales"][:1]),
+            r"attribute 'layer' = 1 must be < num_layers",
+        ),
+    ],
+    ids=["rank over max_rank", "rank -1", "slot out of range", "no ranks for the layer"],
+)
+@each_dtype
+def test_a_call_with_rank_0_slots_still_checks_their_ranks(dtype, mutate, match, rng):
+    """A slot whose rank is not 0 (or not readable) at the layer gets the full checks."""
+    feeds = rank_zero_feeds(rng, dtype)
+    mutate(feeds)
+    with pytest.raises(Exception, match=match):
+        make_session(1, shapeless=True, **ATTRS[dtype]).run(None, feeds)
+
+
 @each_dtype
 def test_rank_over_the_limit(dtype, rng):
     feeds = make_case(rng, dtype, [2], [0], [513], in_f=8, out_f=8)

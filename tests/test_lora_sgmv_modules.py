@@ -183,6 +183,8 @@ LAYOUTS = {
                 [(1, 0, 0.6), (1, 4, 0.4)], [[2], [2], []]),
     "no_adapter": ([1, 1, 4], [-1, -1, -1],
                    [[16, 4, 8, 0, 1], [16, 0, 8, 4, 1], [16, 4, 8, 0, 1]], (), [[], [], []]),
+    "rank_0_slots": ([1, 1, 4], [1, -1, 1],  # slot 1: rank 0 in every module (y passes)
+                     [[16, 0], [16, 0], [16, 0]], (), [[], [], []]),
     "mixed": ([1, 20, 0, 3, 11, 1, 2], [3, 0, -1, -1, -1, 2, 1],
               [[16, 4, 8, 0, 1], [16, 0, 8, 4, 1], [16, 4, 8, 0, 1]],
               [(3, 3, 0.8), (4, 0, 0.25), (4, 4, 0.5), (2, 0, 2.0)], [[2], [2], [2]]),
@@ -224,7 +226,9 @@ def test_all_base_rows(dtype, rng):
         np.testing.assert_array_equal(got, feeds[f"y_{m}"])
 
 
-@pytest.mark.parametrize("layout", ["decode_dora_composed", "prefill", "mixed", "no_adapter"])
+@pytest.mark.parametrize(
+    "layout", ["decode_dora_composed", "prefill", "mixed", "no_adapter", "rank_0_slots"]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_y_produced_by_other_nodes(dtype, layout, rng):
     """y_m = 2 * y_in_m and every output doubled again: intermediate tensors, so ORT may run

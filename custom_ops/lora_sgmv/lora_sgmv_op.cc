@@ -110,17 +110,31 @@ void CheckModule(const LoraSgmvInputs& in, int64_t layer, SgmvRowLayout rows, in
   }
 }
 
-// Whether no segment of the call has a term: every seg_slots entry -1 and no composition entry
-// (every call of a step whose requests have no adapter). Such a call skips reading the other
-// inputs: each input's shape asked of ORT costs about a quarter of a microsecond inside a decode
-// step, and the 74 inputs of a layer's four calls took 5-8 % of a one-request decode step.
-bool HasNoTerms(const Ort::KernelContext& ctx) {
+// Whether no segment of the call has a term of nonzero rank: no composition entry, and every
+// segment's slot -1 or one of rank 0 at this layer in every module (an adapter without these
+// modules: PEFT's default q_proj/v_proj adapters at o, gate/up and down). Such a call skips
+// reading the other inputs: each input's shape asked of ORT costs about a quarter of a
+// microsecond inside a decode step, and the 74 inputs of a layer's four calls took 5-8 % of a
+// one-request decode step. Anything out of range is left to the full checks.
+bool HasNoTerms(const Ort::KernelContext& ctx, int64_t layer, int modules) {
   const InputView slots = GetInput(ctx, kSegSlots);
   if (slots.shape.size() != 1 || slots.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32) return false;
   const InputView comp = GetOptionalInput(ctx, kCompSegs);
   if (comp.present && (comp.shape.size() != 1 || comp.shape[0] != 0)) return false;
-  const int32_t* s = slots.value.GetTensorData<int32_t>();
-  return std::all_of(s, s + slots.shape[0], [](int32_t slot) { return slot == -1; });
+  const int32_t *first = slots.value.GetTensorData<int32_t>(), *last = first + slots.shape[0];
+  if (std::all_of(first, last, [](int32_t slot) { return slot == -1; })) return true;
+  for (int m = 0; m < modules; ++m) {
+    const InputView ranks =
+        GetOptionalInput(ctx, m == 0 ? kRanks : LoraSgmvModuleInputIndex(m, kModuleRanks));
+    if (ranks.shape.size() != 2 || ranks.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ||
+        layer >= ranks.shape[0])
+      return false;
+    const int32_t* at_layer = ranks.value.GetTensorData<int32_t>() + layer * ranks.shape[1];
+    for (const int32_t* slot = first; slot != last; ++slot)
+      if (*slot != -1 && (*slot < 0 || *slot >= ranks.shape[1] || at_layer[*slot] != 0))
+        return false;
+  }
+  return true;
 }
 
 // y_out_m = y_m for every module, y_m and x checked (rank, type, rows), no other input read: a
@@ -221,7 +235,7 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
     Fail("the node has ", ctx.GetInputCount(), " inputs and ", ctx.GetOutputCount(),
          " outputs; attribute 'modules' = ", modules_, " takes at most ", inputs, " inputs and ",
          modules_, " outputs");
-  if (HasNoTerms(ctx)) return CopyThrough(ctx, modules_);
+  if (HasNoTerms(ctx, layer_, modules_)) return CopyThrough(ctx, modules_);
   CallScratch& sc = CallerScratch();
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   SgmvProblem& problem = sc.problem;

@@ -73,9 +73,10 @@
 // non-monotonic seg_starts, slot or rank out of range, a used row outside key_cache / value_cache,
 // a weight not finite, a composed DoRA slot) fail with an error naming them (the checks, shared
 // with the CUDA op: lora_sgmv_checks.h); offsets of rows j >= rank are never read. A call whose
-// segments have no term (every seg_slots entry -1, no composition entry: a step without
-// adapters) is y_out = y and reads only y, x, seg_slots and comp_segs; its other inputs are
-// not checked. The kernel is lora_sgmv_cpu.h.
+// segments have no term of nonzero rank (no composition entry, and every seg_slots entry -1 or
+// a slot of rank 0 at the layer in every module: a step without adapters, or with adapters that
+// leave these modules out) is y_out = y and reads only y, x, seg_slots, comp_segs and, where a
+// slot is in use, the ranks; its other inputs are not checked. The kernel is lora_sgmv_cpu.h.
 #pragma once
 
 #include "common/ort_common.h"
