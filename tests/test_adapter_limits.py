@@ -106,7 +106,8 @@ def test_engine_refuses_a_huge_weight_before_any_step(tiny_llama_export, tiny_qv
         with pytest.raises(CompositionError, match=r"adapter 'qv': weight .* is out of range"):
             llm.engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), [lora])
         assert not llm.engine.has_unfinished_requests()
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
     assert out[0].finished and len(out[0].outputs[0].token_ids) == 2
 
 

@@ -4,9 +4,11 @@ running, n > 1, seeds, stop rules, and the asyncio streaming interface."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
+from step_probes import slow_and_record_aborts
 
 from ort_lora import LLM, LoRARequest, SamplingParams
 from ort_lora.adapters import AdapterNotFoundError
@@ -122,15 +124,17 @@ def test_async_stream_and_abort(tiny_llama_export):
             outs = [o async for o in engine.generate(PROMPT["prompt_token_ids"], GREEDY)]
             assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
             assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 11))
-            long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-            async for out in engine.generate(PROMPT["prompt_token_ids"], long, request_id="x"):
-                if len(out.outputs[0].token_ids) == 2:
+            aborted = slow_and_record_aborts(engine.engine)
+            long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            async for _ in engine.generate(PROMPT["prompt_token_ids"], long, request_id="x"):
+                stats = engine.stats()  # a snapshot: it has seen the request running
+                if stats["running"] == 1 and stats["pool"]["kv"] > 0:
                     break  # the client goes away: the request is aborted
-            for _ in range(100):
-                if engine.stats()["pool"]["kv"] == 0:
-                    break
+            deadline = time.monotonic() + 10
+            while engine.stats()["running"] or engine.stats()["pool"]["kv"]:
+                assert time.monotonic() < deadline, f"pages not freed: {engine.stats()}"
                 await asyncio.sleep(0.01)
-            assert engine.stats()["pool"]["kv"] == 0 and engine.stats()["running"] == 0
+            assert [out.outputs[0].finish_reason for out in aborted] == ["abort"]
             with pytest.raises(RequestError, match="maximum context length"):
                 async for _ in engine.generate([5] * 10, SamplingParams(max_tokens=10**6)):
                     pass

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from step_probes import slow_and_record_aborts
 
 from ort_lora.bench.harness.servers import ServerThread
 from ort_lora.export.tiny import save_random_adapters
@@ -173,17 +174,9 @@ def _metrics(url, until=None, timeout_s: float = 10.0) -> dict:
 
 
 @pytest.fixture
-def slow_steps(server, monkeypatch):
-    """Each engine step takes >= 5 ms more, so a long request is still running while the test
-    looks at it (the tiny model is otherwise done before the client reads its first chunk)."""
-    inner = server[1].engine
-    step = inner.step
-
-    def slow_step():
-        time.sleep(0.005)
-        return step()
-
-    monkeypatch.setattr(inner, "step", slow_step)
+def slow_steps(server, monkeypatch) -> list:
+    """The engine's steps slowed by >= 5 ms and its aborts recorded (step_probes)."""
+    return slow_and_record_aborts(server[1].engine, monkeypatch.setattr)
 
 
 def test_runtime_load_unload_while_streaming_and_metrics(server, client, slow_steps):
@@ -242,6 +235,8 @@ def test_disconnect_frees_pages(server, slow_steps):
     while engine.stats()["running"] or engine.stats()["pool"]["kv"]:
         assert time.monotonic() < deadline, f"not aborted: {engine.stats()}"
         time.sleep(0.01)
+    # aborted while it ran (the disconnect and the stream's end both abort: one finds it gone)
+    assert [out.outputs[0].finish_reason for out in slow_steps if out] == ["abort"]
 
 
 def check_error(r: httpx.Response, status: int, *needles: str) -> dict:
