@@ -178,8 +178,9 @@ def test_empty_rows(rng):
 def test_extreme_codes(bits, zeros, block, rng):
     """The lowest and highest codes against x of +-127 after quantization: AVX2's int16 pair
     sums stay exact (8 bits: code - 128 = -128 times 127, twice, is the largest pair), and so
-    do the one-row kernel's int16 sums over a block's chunks (4 bits: rows of x all 127 against
-    columns of the top code, the largest sums; a block of 128 is widened in parts)."""
+    do the 4-bit kernels' int16 sums over up to 32 k of a block, of one row and of row groups
+    (rows of x all 127 against columns of the top code, the largest sums; a block of 128 is
+    widened in parts)."""
     n, k, top = 40, 256, 2**bits - 1
     q = weights(rng, n, k, block, zeros=zeros, bits=bits)
     codes = np.where(rng.random((n, k)) < 0.5, 0, top).astype(np.uint8)

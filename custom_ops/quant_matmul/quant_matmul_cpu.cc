@@ -375,62 +375,111 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, con
   HalvesAvx2<1, 8>(p, t);
 }
 
-// Several rows: MR rows x one strip, eight columns (one half) at a time, each chunk's int16
-// products widened at once (faster here than HalvesAvx2's int16 sums for 2+ rows: fewer
-// registers live).
-template <int MR>
-__attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
+// sum += v in int16, in place: GCC reassociates a row's chain of int16 sums over a block's
+// unrolled chunks and spills the products it hoists (16 ymm registers); in asm the chain stays
+// in its register.
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void AddEpi16(__m256i& sum,
+                                                                              __m256i v) {
+  asm("vpaddw %1, %0, %0" : "+x"(sum) : "x"(v));
+}
+
+// Several rows: MR rows x eight columns (one half of a strip) over all of K. Each group of
+// kAvx2Flush chunks (32 k) is unrolled and summed in int16, then widened once. kBlockChunks:
+// a block's chunks when the block is one group or less (2 or 4), else 0 (groups of 4). With
+// kPrefetch, t.next's line of the strip is fetched into L2 as each chunk is read.
+template <int MR, int kBlockChunks, bool kPrefetch>
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Rows(const Problem& p,
+                                                                                  const TileArgs& t,
+                                                                                  int64_t half) {
   const QuantMatMulArgs& a = *p.a;
-  const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
+  constexpr int kGroup = kBlockChunks ? kBlockChunks : kAvx2Flush;  // chunks of a group
+  const int64_t k = a.k, blocks = p.blocks;
+  const int64_t groups = kBlockChunks ? 1 : a.block_size / 8 / kAvx2Flush;
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
   const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t half = 0; half < 2; ++half) {
-    const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
-    if (columns <= 0) break;
-    const uint8_t* w = t.codes + 32 * half;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i dot[MR];
-      for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
-      const int8_t* xb = xq + b * a.block_size;
-      for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
-        if (t.next && half == 0)  // the next tile's line of this strip (both halves)
-          _mm_prefetch(reinterpret_cast<const char*>(t.next + (w - t.codes)), _MM_HINT_T1);
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
+  const uint8_t* w = t.codes + 32 * half;
+  const ptrdiff_t ahead = kPrefetch ? t.next - t.codes : 0;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[MR];
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* xg = xq + b * a.block_size + g * kGroup * 8;
+      __m256i sum[MR];
+#pragma GCC unroll 4
+      for (int j = 0; j < kGroup; ++j) {
+        const uint8_t* wj = w + j * kChunkBytes;
+        if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(wj + ahead), _MM_HINT_T1);
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
         const __m256i lo = _mm256_and_si256(packed, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          const auto [x0, x1] = XQuads(xb + r * k, j);
+          const auto [x0, x1] = XQuads(xg + r * k, j);
           const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
           const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+          if (j == 0) {
+            sum[r] = _mm256_add_epi16(p0, p1);
+          } else {
+            AddEpi16(sum[r], p0);
+            AddEpi16(sum[r], p1);
+          }
         }
       }
-      const int64_t at = b * kQuantTile + 8 * half;
-      const __m256 s = _mm256_loadu_ps(t.scales + at);
-      const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
-                                  : _mm256_set1_ps(8.0f);
-      const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+      w += kGroup * kChunkBytes;
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sx, acc[r]);
-        acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
-      }
-      if (xsum) {
-        const __m256 off = _mm256_loadu_ps(t.offsets + at);
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-          acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r]);
+        const __m256i wide = _mm256_madd_epi16(sum[r], ones);
+        dot[r] = kBlockChunks || g == 0 ? wide : _mm256_add_epi32(dot[r], wide);
       }
     }
-    for (int r = 0; r < MR; ++r) StoreColumnsAvx2(t.y + r * t.ldy + 8 * half, acc[r], columns);
+    const int64_t at = b * kQuantTile + 8 * half;
+    const __m256 s = _mm256_loadu_ps(t.scales + at);
+    const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                      reinterpret_cast<const __m128i*>(t.zeros + at))))
+                                : _mm256_set1_ps(8.0f);
+    const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sx, acc[r]);
+      acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
+    }
+    if (xsum) {
+      const __m256 off = _mm256_loadu_ps(t.offsets + at);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) StoreColumnsAvx2(t.y + r * t.ldy + 8 * half, acc[r], columns);
+}
+
+// MR rows x one strip, half by half (the first half fetches the next tile's line of the strip,
+// which holds both halves).
+template <int MR, int kBlockChunks>
+__attribute__((target("arch=x86-64-v3"))) void StripAvx2Rows(const Problem& p, const TileArgs& t) {
+  if (t.next) {
+    HalfAvx2Rows<MR, kBlockChunks, true>(p, t, 0);
+  } else {
+    HalfAvx2Rows<MR, kBlockChunks, false>(p, t, 0);
+  }
+  if (t.columns > 8) HalfAvx2Rows<MR, kBlockChunks, false>(p, t, 1);
+}
+
+template <int MR>
+__attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
+  switch (p.a->block_size) {
+    case 16:
+      return StripAvx2Rows<MR, 2>(p, t);
+    case 32:
+      return StripAvx2Rows<MR, 4>(p, t);
+    default:
+      return StripAvx2Rows<MR, 0>(p, t);
   }
 }
 #endif
