@@ -295,14 +295,6 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
 // read a tile's codes in order and share each broadcast of x (one row: the whole tile).
 constexpr int64_t kAvx2Flush = 4;  // chunks (of 8 k) summed in int16 before widening
 
-// sum += v in int16, in place: GCC reassociates the chains of int16 sums over a block's
-// chunks, hoisting products it then spills (16 ymm registers); in asm each chain stays in its
-// register.
-__attribute__((target("arch=x86-64-v3"), always_inline)) inline void AddEpi16(__m256i& sum,
-                                                                              __m256i v) {
-  asm("vpaddw %1, %0, %0" : "+x"(sum) : "x"(v));
-}
-
 template <int MR, int NH>
 __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& p,
                                                                  const TileArgs& t) {
@@ -339,8 +331,7 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
             const auto [x0, x1] = XQuads(xb + r * k, j);
             const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
             const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
-            AddEpi16(sum16[r][h], p0);
-            AddEpi16(sum16[r][h], p1);
+            sum16[r][h] = _mm256_add_epi16(sum16[r][h], _mm256_add_epi16(p0, p1));
           }
         }
       }
@@ -382,6 +373,14 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
 // One row: the whole tile (4 strips, 8 halves) in one pass.
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, const TileArgs& t) {
   HalvesAvx2<1, 8>(p, t);
+}
+
+// sum += v in int16, in place: GCC reassociates a row's chain of int16 sums over a block's
+// unrolled chunks and spills the products it hoists (16 ymm registers); in asm the chain stays
+// in its register.
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void AddEpi16(__m256i& sum,
+                                                                              __m256i v) {
+  asm("vpaddw %1, %0, %0" : "+x"(sum) : "x"(v));
 }
 
 // Several rows: MR rows x eight columns (one half of a strip) over all of K. Each group of
