@@ -22,7 +22,8 @@
                   against the float32 FMA roof, and the two roofs' ratio (int8_over_f32: what
                   vs_f32 is with both at the same share of their roofs); with the AVX2
                   kernels, the 4-bit rows' rate against their own inner loop run alone on
-                  data in L1 (of_q4_loop: what scales, memory and the op around it cost)
+                  data in L1 (of_q4_loop: what scales, memory and the op around it cost);
+                  with --against-library, the same op of another build in turn (vs_library)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -495,11 +496,14 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
 # ---- QuantMatMul -----------------------------------------------------------------------------
 
 
-def quant_session(kind: str, k: int, n: int, bits: int, layers: int, rng) -> ort.InferenceSession:
+def quant_session(
+    kind: str, k: int, n: int, bits: int, layers: int, rng, library: str | None = None
+) -> ort.InferenceSession:
     """`layers` products of x [rows, k] with distinct random [n, k] weights, one node each:
     kind "quant" (ort_lora.QuantMatMul), "nbits" (com.microsoft.MatMulNBits, accuracy_level 4;
     weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32".
-    bits 4: asymmetric (zero points), as the linear layers; 8: symmetric, as the LM head."""
+    bits 4: asymmetric (zero points), as the linear layers; 8: symmetric, as the LM head.
+    library: the op library's file to register instead of this checkout's."""
     from onnx import numpy_helper
 
     from ort_lora.export.quant import quantize_rtn, tile_blocks
@@ -530,7 +534,12 @@ def quant_session(kind: str, k: int, n: int, bits: int, layers: int, rng) -> ort
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    if library is None:
+        opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    else:
+        opts = ort.SessionOptions()
+        opts.register_custom_ops_library(library)
+        opts.intra_op_num_threads = THREADS
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -546,13 +555,28 @@ def quant_cases(quick: bool):
         yield (f"lm_head8 x{rows}", rows, 576, 49152, 8, 4)
 
 
-def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock):
+def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None):
+    """against: another op library's file, whose QuantMatMul runs the same weights in turn with
+    this checkout's (vs_library: its time / this one's; their outputs must agree exactly)."""
     rng = np.random.default_rng(seed)
     x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
     kinds = ("quant", "nbits", "f32")
+    weights = rng.bit_generator.state  # what the first session draws its weights from
     sessions = [quant_session(kind, k, n, bits, layers, rng) for kind in kinds]
+    if against:  # the first session's weights
+        same = np.random.default_rng()
+        same.bit_generator.state = weights
+        other = quant_session("quant", k, n, bits, layers, same, against)
+        mismatch = [
+            i for i, (a, b) in enumerate(zip(sessions[0].run(None, x), other.run(None, x)))
+            if not np.array_equal(a, b)
+        ]  # fmt: skip
+        if mismatch:
+            raise SystemExit(f"{name}: outputs {mismatch} differ from {against}'s")
+        sessions.append(other)
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
-    (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times]
+    (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times[:3]]
+    extra = {"vs_library": times[3][0] / layers / quant} if against else {}
     return {
         "case": name,
         "rows": rows,
@@ -568,6 +592,7 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock):
         "quant_gops": 2 * rows * k * n / quant / 1e9,
         "f32_gflops": 2 * rows * k * n / f32 / 1e9,
         "quant_min_ms": quant_min * 1e3,
+        **extra,
     }
 
 
@@ -697,6 +722,12 @@ def main(argv=None) -> int:
         help="run as on an AVX2-only CPU: MLAS and the op library both take their AVX2 kernels "
         "(ort_lora/bench/hide_avx512.py)",
     )
+    parser.add_argument(
+        "--against-library",
+        metavar="SO",
+        help="also time QuantMatMul of this op library file (a build of another commit) on the "
+        "same weights, in turn with this checkout's: vs_library = its time / this one's",
+    )
     args = parser.parse_args(argv)
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
@@ -736,7 +767,9 @@ def main(argv=None) -> int:
         print(f"[{done}/{total}] QuantMatMul / MatMulNBits / MatMul {case[0]} ...", flush=True)
         *shape, layers = case
         layers = layers or (10 if args.quick else 30)
-        quant_rows.append(bench_quant(*shape, layers=layers, reps=reps, seed=90 + i, clock=clock))
+        quant_rows.append(
+            bench_quant(*shape, layers, reps, 90 + i, clock, against=args.against_library)
+        )
     roof = int8_roof() if quant_rows else {}
     roof_gops = roof.get("avx512_vnni_gops" if quant_isa() == "avx512-vnni" else "avx2_gops")
     # float32 MatMul runs MLAS's AVX-512 kernels where the CPU shows AVX-512F, else its FMA3 ones
@@ -778,6 +811,7 @@ def main(argv=None) -> int:
     cols = ["case", "rows", "k", "n", "bits", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits"]
     cols += ["vs_f32", "quant_gops", "of_roof", "f32_gflops", "f32_of_roof"]
     cols += ["of_q4_loop"] if loop_gops else []
+    cols += ["vs_library"] if args.against_library else []
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
     title += " / QuantMatMul's; of_roof = GOPS per thread / the int8 roof, f32_of_roof = float32"
@@ -798,6 +832,7 @@ def main(argv=None) -> int:
         "lora_sgmv_dora_composition": mix_rows,
         "quant_matmul": quant_rows,
         "int8_roof": roof,
+        "against_library": args.against_library,
         "paged_attention": pa if pa is not None else "PagedAttention kernel not available",
         "paged_attention_prefill": pa_prefill,
     }

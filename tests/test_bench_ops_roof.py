@@ -1,6 +1,6 @@
 """bench/bench_ops.py's QuantMatMul context: the int8 multiply-add and float32 FMA roofs it
-builds from bench/int8_roof.cc and the kernel ISA it reports (the numbers themselves are the
-benchmark's, never checked here)."""
+builds from bench/int8_roof.cc, the kernel ISA it reports and the other build it can time
+beside this one (the numbers themselves are the benchmark's, never checked here)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,19 @@ def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops, monk
     timed = [order[3 + 3 * r : 6 + 3 * r] for r in range(6)]  # after the warm-up turn
     assert [turn[0] for turn in timed] == [0, 1, 2, 0, 1, 2]
     assert all(sorted(turn) == [0, 1, 2] for turn in timed)
+
+
+def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_path):
+    """--against-library: the other build's QuantMatMul on the first session's weights (its
+    outputs are checked to agree exactly before timing, so other weights would stop the run),
+    timed in turn; a copy of this checkout's library stands in for another build."""
+    import shutil
+    import time
+
+    import ort_lora
+
+    other = tmp_path / "other.so"
+    shutil.copy(ort_lora.library_path(), other)
+    row = bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter, against=str(other))
+    assert row["vs_library"] > 0
+    assert "vs_library" not in bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
