@@ -295,6 +295,16 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
 // read a tile's codes in order and share each broadcast of x (one row: the whole tile).
 constexpr int64_t kAvx2Flush = 4;  // chunks (of 8 k) summed in int16 before widening
 
+// -scale * zero point of the 8 columns at `at` (8 without a zeros input): what a block's
+// xqsum (x's scale times the sum of its codes) is multiplied by.
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline __m256 ZeroTermAvx2(
+    const TileArgs& t, int64_t at, __m256 s) {
+  const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    reinterpret_cast<const __m128i*>(t.zeros + at))))
+                              : _mm256_set1_ps(8.0f);
+  return _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+}
+
 template <int MR, int NH>
 __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& p,
                                                                  const TileArgs& t) {
@@ -351,10 +361,7 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
     for (int h = 0; h < NH; ++h) {
       const int64_t at = b * kQuantTile + 8 * h;
       const __m256 s = _mm256_loadu_ps(t.scales + at);
-      const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
-                                  : _mm256_set1_ps(8.0f);
-      const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+      const __m256 wz = ZeroTermAvx2(t, at, s);
       const __m256 off = xsum ? _mm256_loadu_ps(t.offsets + at) : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
@@ -439,10 +446,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
     }
     const int64_t at = b * kQuantTile + 8 * half;
     const __m256 s = _mm256_loadu_ps(t.scales + at);
-    const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                      reinterpret_cast<const __m128i*>(t.zeros + at))))
-                                : _mm256_set1_ps(8.0f);
-    const __m256 wz = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
+    const __m256 wz = ZeroTermAvx2(t, at, s);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
