@@ -11,6 +11,8 @@ the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapt
   cached     (--cached) fused, every layer reading layer 0's rows (one layer's pool share:
              11 MB of float32 rows, inside a server CPU's L3): how fast the kernel is when
              memory is not what bounds it
+  other      (--against-library SO) fused, run by another build of the op library: a kernel
+             change timed in turn with the build it changes (vs_library: its time / this one's)
 
 for each adapter row type (float32, bfloat16, float16, int8). Per step: the time (median of
 paired runs, the variants in turn), the adapter rows' bytes read and their rate (GB/s), that
@@ -19,7 +21,8 @@ threads: the rows are only read, so 1.0 is as fast as memory goes), and the time
 rows alone takes at that bandwidth (floor_ms: no kernel of this op can be faster).
 
 Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--dtypes float32,int8]
-       [--layouts separate,fused] [--cached] [--out results/bench_lora_step.json]
+       [--layouts separate,fused] [--cached] [--against-library SO]
+       [--out results/bench_lora_step.json]
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ import sys
 
 # bench_ops sets the BLAS thread count before numpy is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import THREADS, aligned, paired_times, save_result  # noqa: E402, I001
+from bench_ops import (  # noqa: E402, I001
+    THREADS,
+    aligned,
+    library_options,
+    paired_times,
+    save_result,
+    share_one_pool,
+)
 
 import argparse  # noqa: E402
 import threading  # noqa: E402
@@ -88,7 +98,7 @@ def place(rng, dtype):
     return key, value, offsets
 
 
-def step_model(groups, dtype, layers: int = LAYERS) -> bytes:
+def step_model(groups, dtype, layers: int) -> bytes:
     """A graph of `layers` layers of LoraSGMV nodes (groups of modules sharing a node), each
     module's y chained from layer to layer (so ORT runs every node in place)."""
     vi = helper.make_tensor_value_info
@@ -175,16 +185,18 @@ def step_feeds(rng, dtype) -> dict:
     return feeds
 
 
-def session(groups, dtype, layers: int = LAYERS) -> ort.InferenceSession:
-    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
-    model = step_model(groups, dtype, layers)
+def session(groups, dtype, layers: int | None = None, library=None) -> ort.InferenceSession:
+    """The step's graph over `layers` layers (None: LAYERS); library: another build of the op
+    library (bench_ops.library_options), else this one."""
+    model = step_model(groups, dtype, LAYERS if layers is None else layers)
+    opts = library_options(library)
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 
-def check_one_layer(groups, dtype, feeds) -> None:
+def check_one_layer(groups, dtype, feeds, library=None) -> None:
     """Layer 0 alone, every module's output against the reference (a benchmark of a wrong
     kernel is worth nothing)."""
-    sess = session(groups, dtype, layers=1)
+    sess = session(groups, dtype, layers=1, library=library)
     names = {i.name for i in sess.get_inputs()}
     got = sess.run(None, {k: v for k, v in feeds.items() if k in names})
     for m, out in zip(MODULES, got, strict=True):
@@ -205,9 +217,9 @@ def check_one_layer(groups, dtype, feeds) -> None:
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * scale, err_msg=m)
 
 
-def step_runner(groups, dtype, feeds):
+def step_runner(groups, dtype, feeds, library=None):
     """A callable running the step's graph with its inputs bound (no copies)."""
-    sess = session(groups, dtype)
+    sess = session(groups, dtype, library=library)
     io = sess.io_binding()
     for name, value in feeds.items():
         io.bind_cpu_input(name, value)
@@ -250,9 +262,12 @@ def row_bytes_per_step(dtype: str) -> int:
     return 4 * per_adapter * RANK * ADAPTERS * LAYERS
 
 
-def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str], cached: bool) -> dict:
+def bench_dtype(
+    dtype: str, reps: int, seed: int, layouts: list[str], cached: bool, against=None
+) -> dict:
     """For each layout (GROUPS: separate, fused), the step without adapters (base) and with
-    them, and with `cached` the fused step on one layer's rows, all in turn within every rep."""
+    them, with `cached` the fused step on one layer's rows, and with `against` (another build
+    of the op library) that build's fused step, all in turn within every rep."""
     rng = np.random.default_rng(seed)
     mixed = step_feeds(rng, dtype)
     # every row without an adapter: one segment of slot -1
@@ -269,6 +284,9 @@ def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str], cached: bo
         one = {f"{c}.{layer}": mixed[f"{c}.0"] for c in ("key_cache", "value_cache")
                for layer in range(LAYERS)}  # fmt: skip
         runs["cached"] = step_runner(GROUPS["fused"], dtype, mixed | one)
+    if against:
+        check_one_layer(GROUPS["fused"], dtype, mixed, library=against)
+        runs["other"] = step_runner(GROUPS["fused"], dtype, mixed, library=against)
     times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
     row_bytes = row_bytes_per_step(dtype)
     row = {"dtype": dtype, "row_mb": row_bytes / 1e6}
@@ -278,6 +296,8 @@ def bench_dtype(dtype: str, reps: int, seed: int, layouts: list[str], cached: bo
         row[f"{layout}_gbps"] = row_bytes / (row[f"{layout}_ms"] / 1e3) / 1e9
     if len(layouts) == 2:
         row["fused_vs_separate"] = row["separate_ms"] / row["fused_ms"]
+    if against:  # above 1: this build's fused step is the faster
+        row["vs_library"] = row["other_ms"] / row["fused_ms"]
     return row
 
 
@@ -299,15 +319,24 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the fused step with every layer on layer 0's rows (in cache: the kernel alone)",
     )
+    parser.add_argument(
+        "--against-library",
+        metavar="SO",
+        help="also another build's op library (its fused step, in turn with this one's): "
+        "vs_library = its time / this build's",
+    )
     parser.add_argument("--out", default="results/bench_lora_step.json", help="JSON output path")
     args = parser.parse_args(argv)
+    if args.against_library and "fused" not in args.layouts.split(","):
+        parser.error("--against-library compares fused steps: keep fused in --layouts")
+    share_one_pool()
     load_before = os.getloadavg()
     bandwidth = read_bandwidth(args.threads)
     layouts = args.layouts.split(",")
     rows = []
     for i, dtype in enumerate(args.dtypes.split(",")):
         print(f"[{i + 1}] LoraSGMV decode step, {dtype} rows ...", flush=True)
-        rows.append(bench_dtype(dtype, args.reps, i, layouts, args.cached))
+        rows.append(bench_dtype(dtype, args.reps, i, layouts, args.cached, args.against_library))
         rows[-1]["floor_ms"] = rows[-1]["row_mb"] / bandwidth
         for layout in layouts:
             rows[-1][f"{layout}_vs_read"] = rows[-1][f"{layout}_gbps"] / bandwidth
@@ -316,6 +345,7 @@ def main(argv=None) -> int:
         cols += [f"{layout}_base_ms", f"{layout}_ms", f"{layout}_gbps", f"{layout}_vs_read"]
     cols += ["fused_vs_separate"] if len(layouts) == 2 else []
     cols += ["cached_ms", "cached_gbps"] if args.cached else []
+    cols += ["other_ms", "vs_library"] if args.against_library else []
     print(
         f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {ROWS} rows, {ADAPTERS} "
         f"adapters of rank {RANK}); read bandwidth {bandwidth:.1f} GB/s"
@@ -326,7 +356,8 @@ def main(argv=None) -> int:
         cells = [f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]:>{width}s}"
                  for c in cols]  # fmt: skip
         print("  ".join(cells))
-    save_result(args.out, {"read_gbps": bandwidth, "rows": rows}, load_before)
+    fields = {"read_gbps": bandwidth, "rows": rows, "against_library": args.against_library}
+    save_result(args.out, fields, load_before)
     return 0
 
 

@@ -91,21 +91,13 @@ def run_times(fn, reps: int, clock, warmup: int = 3) -> tuple[float, float]:
     return float(np.median(times)), float(np.min(times))
 
 
-# Each ORT session has its own intra-op thread pool, whose workers spin for a while after a run
-# before they sleep: a session run right after another one shares the cores with those spinning
-# workers (a 2-thread LoraSGMV step measured 2x slower on 2 cores). With more than one thread,
-# paired_times waits this long before each timed run, so that the workers of the variant before
-# are asleep (2 ms was too short, 20 ms enough).
-SETTLE_S = 0.02
-
-
 def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, float]]:
     """(median, min) time of each fn, the fns run in turn within every rep, so a busy phase of
-    a shared machine slows them all alike (for ratios between them); with THREADS > 1, after
-    SETTLE_S of quiet before each timed run. Each rep starts one fn further on, so every fn
-    takes every place in the turn equally often: a fn run right after another finds the
-    caches as that one left them (two kernels on the same weights, timed always in one order,
-    favoured the second by 5-10 %)."""
+    a shared machine slows them all alike (for ratios between them). Each rep starts one fn
+    further on, so every fn takes every place in the turn equally often: a fn run right after
+    another finds the caches as that one left them (two kernels on the same weights, timed
+    always in one order, favoured the second by 5-10 %). The fns' sessions share one thread
+    pool (library_options)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -113,8 +105,6 @@ def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, fl
     for rep in range(reps):
         for i in range(len(fns)):
             at = (rep + i) % len(fns)
-            if THREADS > 1:
-                time.sleep(SETTLE_S)
             t0 = clock()
             fns[at]()
             times[at].append(clock() - t0)
@@ -131,7 +121,7 @@ def one_node_session(op, inputs, outputs, **attrs) -> ort.InferenceSession:
     graph = helper.make_graph([node], op, vis, outs)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    opts = ort_lora.session_options(intra_op_num_threads=THREADS)
+    opts = library_options()
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -534,13 +524,38 @@ def quant_session(
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    if library is None:
-        opts = ort_lora.session_options(intra_op_num_threads=THREADS)
-    else:
-        opts = ort.SessionOptions()
-        opts.register_custom_ops_library(library)
-        opts.intra_op_num_threads = THREADS
+    opts = library_options(library)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def library_options(library: str | None = None) -> ort.SessionOptions:
+    """Session options with the op library registered (this checkout's, or the build at
+    `library`: another build's kernels, to time in turn) and THREADS intra-op threads: the
+    process's one pool after share_one_pool, else a pool of the session's own."""
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(library or ort_lora.library_path())
+    if _one_pool:
+        opts.use_per_session_threads = False
+    else:
+        opts.intra_op_num_threads = THREADS
+    return opts
+
+
+def share_one_pool() -> None:
+    """Puts every session library_options makes from here on on one intra-op pool of THREADS
+    threads (ORT's global pool). With a pool per session, the workers of the session run
+    before, still spinning, took a core from the one being timed: with 2 threads on 2 cores,
+    two sessions of the same library read 0.4-2.7x apart in turn even after 20 ms of sleep
+    between runs; on one pool, 0.9-1.1. ORT then refuses sessions with pools of their own in
+    this process, so the benchmark programs call it first thing."""
+    global _one_pool
+    from onnxruntime.capi import _pybind_state
+
+    _pybind_state.set_global_thread_pool_sizes(THREADS, 1)
+    _one_pool = True
+
+
+_one_pool = False  # whether share_one_pool has made the process's pool
 
 
 def quant_cases(quick: bool):
@@ -733,6 +748,7 @@ def main(argv=None) -> int:
         parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
     if args.hide_avx512:
         hide_avx512.rerun_hidden(Path(default_cache_dir()))
+    share_one_pool()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load_before = os.getloadavg()
     reps = args.reps or (5 if args.quick else 20)

@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_ops.py"
 def bench_ops():
     spec = importlib.util.spec_from_file_location("bench_ops", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    argv, sys.argv = sys.argv, [str(SCRIPT)]  # it reads --threads from argv at import
+    # it reads --threads from argv at import; 2 threads: a pool per session would add a thread
+    argv, sys.argv = sys.argv, [str(SCRIPT), "--threads", "2"]
     try:
         spec.loader.exec_module(module)
     finally:
@@ -68,10 +69,9 @@ def test_roof_reports_a_compiler_failure(bench_ops, monkeypatch):
     assert "failed" in bench_ops.int8_roof()["error"]
 
 
-def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops, monkeypatch):
+def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops):
     """Every fn takes every place in the turn equally often, and each fn's times are its own
     (a fake clock that fn i moves on by i + 1)."""
-    monkeypatch.setattr(bench_ops, "THREADS", 1)
     now, order = [0.0], []
 
     def fn(i):
@@ -102,3 +102,37 @@ def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_
     row = bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter, against=str(other))
     assert row["vs_library"] > 0
     assert "vs_library" not in bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
+
+
+POOL_PROBE = """
+import importlib.util, os, sys
+import numpy as np
+sys.argv = [sys.argv[1], "--threads", "2"]  # bench_ops reads --threads at import
+spec = importlib.util.spec_from_file_location("bench_ops", sys.argv[0])
+bench_ops = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_ops)
+bench_ops.share_one_pool()
+def session():
+    sess = bench_ops.quant_session("quant", 64, 80, 4, 1, np.random.default_rng(0))
+    sess.run(None, {"x": np.ones((3, 64), np.float32)})
+    return sess
+first = session()
+threads = len(os.listdir("/proc/self/task"))
+more = [session() for _ in range(3)]
+print(threads, len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_benchmark_sessions_share_one_thread_pool():
+    """After share_one_pool (the benchmark programs' first step) every session runs on the
+    process's one pool of THREADS threads: sessions made after the first add no thread (a pool
+    each would add THREADS - 1 each, whose spinning workers took a core from the session timed
+    next). In a process of its own: ORT then refuses sessions with pools of their own."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", POOL_PROBE, str(SCRIPT)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    assert after == before

@@ -1,0 +1,64 @@
+"""bench/bench_lora_step.py's --against-library: another build's LoraSGMV step, checked against
+the reference and timed in turn with this checkout's (the numbers themselves are the
+benchmark's, never checked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_lora_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench_lora_step():
+    spec = importlib.util.spec_from_file_location("bench_lora_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    argv, sys.argv = sys.argv, [str(SCRIPT), "--threads", "1"]  # read at import (bench_ops)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
+    return module
+
+
+def test_against_library_times_another_builds_step(bench_lora_step, monkeypatch, tmp_path):
+    """One layer's step: the other build (a copy of this checkout's library) runs the fused
+    step on the same rows, its outputs checked against the reference first, then in turn."""
+    import ort_lora
+
+    monkeypatch.setattr(bench_lora_step, "LAYERS", 1)
+    other = tmp_path / "other.so"
+    shutil.copy(ort_lora.library_path(), other)
+    row = bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=str(other))
+    assert row["other_ms"] > 0 and row["vs_library"] == row["other_ms"] / row["fused_ms"]
+    assert "vs_library" not in bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False)
+
+
+def test_against_library_refuses_a_build_that_computes_otherwise(
+    bench_lora_step, monkeypatch, tmp_path
+):
+    """The other build's step is checked against the reference before any timing, and a
+    failed check stops the run (the check is made to fail for it, as for a wrong kernel)."""
+    import ort_lora
+
+    monkeypatch.setattr(bench_lora_step, "LAYERS", 1)
+    other = tmp_path / "other.so"
+    shutil.copy(ort_lora.library_path(), other)
+    checked = []
+    plain = bench_lora_step.check_one_layer
+
+    def check(groups, dtype, feeds, library=None):
+        checked.append(library)
+        if library is not None:
+            raise AssertionError("differs")
+        plain(groups, dtype, feeds, library)
+
+    monkeypatch.setattr(bench_lora_step, "check_one_layer", check)
+    with pytest.raises(AssertionError, match="differs"):
+        bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=str(other))
+    assert checked == [None, str(other)]
