@@ -546,8 +546,8 @@ def share_one_pool() -> None:
     threads (ORT's global pool). With a pool per session, the workers of the session run
     before, still spinning, took a core from the one being timed: with 2 threads on 2 cores,
     the same library's LoraSGMV step read 1.14-1.26x apart from itself in turn even after 20
-    ms of sleep between runs; on one pool, 0.99-1.01. ORT then refuses sessions with pools of their own in
-    this process, so the benchmark programs call it first thing."""
+    ms of sleep between runs; on one pool, 0.99-1.01. ORT then refuses sessions with pools of
+    their own in this process, so the benchmark programs call it first thing."""
     global _one_pool
     from onnxruntime.capi import _pybind_state
 
