@@ -8,7 +8,7 @@ Every variant is an export of the same SmolLM2-135M-Instruct GGUF (int4 carries 
 over; ort_lora/server/default_model.py; "-int8rows": adapter rows int8 with a scale per row,
 export --adapter-dtype int8; "int4zp": Q4_1's minimum rounded to an integer zero point, --extra
 gguf_q4_1=zero_point), served with the three demo adapters. Measured in one process,
-the exports alternating:
+the exports alternating, their engines on one thread pool (bench_ops.share_one_pool):
 
 - quality: held-out success of every demo task (ort_lora/demo/tasks.py, the whole "eval"
   split, greedy, 24 new tokens, the chat template), with its adapter and on the base model,
@@ -134,7 +134,11 @@ def main(argv=None) -> int:
     from ort_lora.bench.cli import cpu_name
     from ort_lora.demo.tasks import TASKS
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_ops import share_one_pool
+
     paths = exports(Path(args.cache_dir), names)
+    share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     llms = {n: LLM(str(path), intra_op_num_threads=args.threads) for n, path in paths.items()}
     doc = {
         "command": "python bench/bench_default_model.py " + " ".join(sys.argv[1:]),

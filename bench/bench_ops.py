@@ -541,18 +541,28 @@ def library_options(library: str | None = None) -> ort.SessionOptions:
     return opts
 
 
-def share_one_pool() -> None:
-    """Puts every session library_options makes from here on on one intra-op pool of THREADS
-    threads (ORT's global pool). With a pool per session, the workers of the session run
-    before, still spinning, took a core from the one being timed: with 2 threads on 2 cores,
-    the same library's LoraSGMV step read 1.14-1.26x apart from itself in turn even after 20
-    ms of sleep between runs; on one pool, 0.99-1.01. ORT then refuses sessions with pools of
-    their own in this process, so the benchmark programs call it first thing."""
+def share_one_pool(threads: int | None = None) -> None:
+    """Puts every session made from here on through library_options or ort_lora's
+    session_options (an engine's) on one intra-op pool of `threads` threads (default THREADS;
+    ORT's global pool). With a pool per session, the workers of the session run before, still
+    spinning, took a core from the one being timed: with 2 threads on 2 cores, the same
+    library's LoraSGMV step read 1.14-1.26x apart from itself in turn even after 20 ms of sleep
+    between runs; on one pool, 0.99-1.01. ORT then refuses sessions with pools of their own in
+    this process, so the benchmark programs call it first thing."""
     global _one_pool
     from onnxruntime.capi import _pybind_state
 
-    _pybind_state.set_global_thread_pool_sizes(THREADS, 1)
+    _pybind_state.set_global_thread_pool_sizes(THREADS if threads is None else threads, 1)
     _one_pool = True
+    plain = ort_lora.session_options
+
+    def pooled(**config):
+        config.pop("intra_op_num_threads", None)  # the pool's
+        opts = plain(**config)
+        opts.use_per_session_threads = False
+        return opts
+
+    ort_lora.session_options = pooled
 
 
 _one_pool = False  # whether share_one_pool has made the process's pool

@@ -119,15 +119,24 @@ def session():
 first = session()
 threads = len(os.listdir("/proc/self/task"))
 more = [session() for _ in range(3)]
+import onnxruntime as ort, ort_lora  # an engine's sessions: ort_lora's session_options
+from onnx import helper
+x, y = (helper.make_tensor_value_info(n, 1, [1]) for n in "xy")
+graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+opts = ort_lora.session_options(intra_op_num_threads=2)
+engine = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+engine.run(None, {"x": np.ones(1, np.float32)})
 print(threads, len(os.listdir("/proc/self/task")))
 """
 
 
 def test_benchmark_sessions_share_one_thread_pool():
     """After share_one_pool (the benchmark programs' first step) every session runs on the
-    process's one pool of THREADS threads: sessions made after the first add no thread (a pool
-    each would add THREADS - 1 each, whose spinning workers took a core from the session timed
-    next). In a process of its own: ORT then refuses sessions with pools of their own."""
+    process's one pool of THREADS threads, an engine's too (ort_lora.session_options):
+    sessions made after the first add no thread (a pool each would add THREADS - 1 each, whose
+    spinning workers took a core from the session timed next). In a process of its own: ORT
+    then refuses sessions with pools of their own."""
     import subprocess
 
     done = subprocess.run(
