@@ -96,8 +96,8 @@ def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, fl
     a shared machine slows them all alike (for ratios between them). Each rep starts one fn
     further on, so every fn takes every place in the turn equally often: a fn run right after
     another finds the caches as that one left them (two kernels on the same weights, timed
-    always in one order, favoured the second by 5-10 %). The fns' sessions share one thread
-    pool (library_options)."""
+    always in one order, favoured the second by 5-10 %). The benchmark programs put the fns'
+    sessions on one thread pool first (share_one_pool)."""
     for _ in range(warmup):
         for fn in fns:
             fn()

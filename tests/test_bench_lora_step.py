@@ -26,29 +26,32 @@ def bench_lora_step():
     return module
 
 
-def test_against_library_times_another_builds_step(bench_lora_step, monkeypatch, tmp_path):
-    """One layer's step: the other build (a copy of this checkout's library) runs the fused
-    step on the same rows, its outputs checked against the reference first, then in turn."""
+@pytest.fixture
+def other_build(bench_lora_step, monkeypatch, tmp_path) -> str:
+    """A copy of this checkout's library standing in for another build; steps of one layer."""
     import ort_lora
 
     monkeypatch.setattr(bench_lora_step, "LAYERS", 1)
     other = tmp_path / "other.so"
     shutil.copy(ort_lora.library_path(), other)
-    row = bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=str(other))
+    return str(other)
+
+
+def test_against_library_times_another_builds_step(bench_lora_step, other_build):
+    """One layer's step: the other build runs the fused step on the same rows, its outputs
+    checked against the reference first, then in turn."""
+    other = other_build
+    row = bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=other)
     assert row["other_ms"] > 0 and row["vs_library"] == row["other_ms"] / row["fused_ms"]
     assert "vs_library" not in bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False)
 
 
 def test_against_library_refuses_a_build_that_computes_otherwise(
-    bench_lora_step, monkeypatch, tmp_path
+    bench_lora_step, other_build, monkeypatch
 ):
     """The other build's step is checked against the reference before any timing, and a
     failed check stops the run (the check is made to fail for it, as for a wrong kernel)."""
-    import ort_lora
-
-    monkeypatch.setattr(bench_lora_step, "LAYERS", 1)
-    other = tmp_path / "other.so"
-    shutil.copy(ort_lora.library_path(), other)
+    other = other_build
     checked = []
     plain = bench_lora_step.check_one_layer
 
@@ -60,5 +63,5 @@ def test_against_library_refuses_a_build_that_computes_otherwise(
 
     monkeypatch.setattr(bench_lora_step, "check_one_layer", check)
     with pytest.raises(AssertionError, match="differs"):
-        bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=str(other))
-    assert checked == [None, str(other)]
+        bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=other)
+    assert checked == [None, other]
