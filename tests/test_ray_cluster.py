@@ -185,6 +185,26 @@ def adapter_requests(url: str, names) -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
+def arrivals(url: str, replica: str) -> dict[str, float]:
+    """lora_name -> adapter requests that have reached `replica` (hits + misses), from a
+    report of its figures taken after this call (waits for one)."""
+    now = time.time()  # replicas of a cluster on this machine share its clock
+
+    def read():
+        got = metrics(url)
+        stamp = ("ort_lora:cluster_replica_report_timestamp_seconds", (("replica", replica),))
+        if got.get(stamp, 0) <= now:
+            return None
+        out: dict[str, float] = {}
+        for (name, labels), value in got.items():
+            lb = dict(labels)
+            if name == "ort_lora:cluster_adapter_requests_total" and lb["replica"] == replica:
+                out[lb["lora_name"]] = out.get(lb["lora_name"], 0) + value
+        return (out,)
+
+    return wait_for(read, 30, f"a report from replica {replica}")[0]
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -295,16 +315,18 @@ class TestTwoReplicas:
 
     def test_replica_killed_mid_stream(self, served, reference):
         """SIGKILL the replica that holds a0 as soon as a0's streams have sent text, while
-        8 long streams run (base and each adapter): the streams on it end with an error
-        event, those of adapters held elsewhere finish, those it had not started yet are
-        retried elsewhere; nothing hangs; every text is the reference's (a prefix of it, for
-        an interrupted stream); new requests succeed at once, and again once Ray has
-        replaced the replica."""
+        8 long streams run (base and each adapter): the streams still running on it end with
+        an error event, those on the other replica finish, those it had not started yet are retried
+        there; nothing hangs; every text is the reference's (a prefix of it, for an
+        interrupted stream); new requests succeed at once, and again once Ray has replaced
+        the replica. Where each adapter stream ran is read from the other replica's request
+        counts: Ray's adapter routing prefers replicas that hold the adapter but sends
+        requests elsewhere when those look busy (a loaded host)."""
         complete(served, body("a0", [9]))  # a0 registered somewhere, and reported there
         where = wait_for(lambda: holders(served).get("a0"), 10, "a replica reports a0")
         victim = sorted(where)[0]
-        pid = replica_pids(served)[victim]
-        elsewhere = {n for n, at in holders(served).items() if victim not in at}
+        pids = replica_pids(served)
+        pid, survivor = pids[victim], next(r for r in pids if r != victim)
         prompts = [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20]]
         # logprobs: a chunk per token even while the text is held back (a random model's
         # byte tokens can keep it empty), so "started" means a token was generated
@@ -321,19 +343,25 @@ class TestTwoReplicas:
                 os.kill(pid, signal.SIGKILL)
                 return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
+        before = arrivals(served, survivor)
         results = asyncio.run(run())
+        after = arrivals(served, survivor)
         want = [complete(reference, c)[0]["text"] for c in cases]
         errors = [err for _, err in results if err]
         print(f"killed replica {victim} (a0 on {sorted(where)}): {len(errors)} of {len(cases)} "
               "streams interrupted")  # fmt: skip
-        a0_errors = [err for c, (_, err) in zip(cases, results) if c.get("model") == "a0"]
-        # a0 only on the victim: its streams ran there and end with an error. a0 on both
-        # replicas: the router may have started every stream on the other one (and the
-        # victim's unstarted ones are retried there), so no stream has to be interrupted
-        if where == {victim}:
-            assert a0_errors and all(a0_errors)
-        assert not any(err for c, (_, err) in zip(cases, results) if c.get("model") in elsewhere)
         assert all(e["code"] == "engine_unavailable" for e in errors), errors
+        for model in {c["model"] for c in cases if "model" in c}:
+            sent = sum(c.get("model") == model for c in cases)
+            failed = sum(
+                bool(err) for c, (_, err) in zip(cases, results) if c.get("model") == model
+            )
+            there = after.get(model, 0) - before.get(model, 0)  # retried ones among them
+            print(f"{model}: {sent} streams, {there:.0f} ran on {survivor}, {failed} interrupted")
+            # the survivor's streams finish (a0's on the victim are interrupted unless the
+            # replica had sent all 240 tokens before the kill, as it can on a loaded host:
+            # test_ray_parts checks the interrupted path on its own)
+            assert failed <= sent - there
         for (text, err), expected in zip(results, want):
             assert expected.startswith(text) if err else text == expected
         assert [complete(served, c)[0]["text"] for c in cases] == want

@@ -201,7 +201,8 @@ def test_directory_reports_expire():
 
 def figures(running: int, pool: dict, adapters: dict, counters: dict, held: list, pid: int):
     stats = {"running": running, "waiting": 0, "preemptions": 1, "pool": pool, "adapters": adapters}
-    return {"stats": stats, "adapters": counters, "held": held, "pid": pid, "node": "10.0.0.1"}
+    where = {"pid": pid, "node": "10.0.0.1", "time": 1.7e9 + pid}  # report time: per replica
+    return {"stats": stats, "adapters": counters, "held": held, **where}
 
 
 REPLICAS = {
@@ -293,6 +294,9 @@ def test_cluster_metrics_page():
         ]
         == 1
     )
+    stamp = "ort_lora:cluster_replica_report_timestamp_seconds"
+    assert got[(stamp, (("replica", "r1"),))] == 1.7e9 + 101
+    assert got[(stamp, (("replica", "r2"),))] == 1.7e9 + 102
     assert text.count("# TYPE ray_x gauge") == 1
     assert got[("ray_x", (("NodeAddress", "n2"),))] == 1
     assert "# TYPE ort_lora:time_to_first_token_seconds histogram" in text

@@ -70,7 +70,7 @@ def per_replica_families(replicas: dict[str, dict]) -> list[Metric]:
 
 def affinity_families(replicas: dict[str, dict]) -> list[Metric]:
     """Per replica and adapter: hits, misses, loads, evictions; the hit rate; replicas that
-    hold each adapter now; each replica's process and node."""
+    hold each adapter now; each replica's process and node, and when its figures were taken."""
     labels = ["replica", "lora_name"]
     requests = CounterMetricFamily(
         PREFIX + "cluster_adapter_requests",
@@ -109,9 +109,16 @@ def affinity_families(replicas: dict[str, dict]) -> list[Metric]:
         "Replicas that reported lately: their process and node",
         labels=["replica", "pid", "node"],
     )
+    reported = GaugeMetricFamily(
+        PREFIX + "cluster_replica_report_timestamp_seconds",
+        "When each replica took the figures of its latest report (Unix time): they count "
+        "every request that reached it before then",
+        labels=["replica"],
+    )
     for replica, figures in sorted(replicas.items()):
         info.add_metric([replica, str(figures["pid"]), figures["node"]], 1)
-    return [requests, loads, evictions, held, rate, info]
+        reported.add_metric([replica], figures["time"])
+    return [requests, loads, evictions, held, rate, info, reported]
 
 
 def merge_exposition(texts: list[str]) -> list[Metric]:

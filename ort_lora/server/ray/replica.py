@@ -207,9 +207,11 @@ class LoraReplica:
             await asyncio.sleep(REPORT_EVERY_S)
 
     def figures(self) -> dict:
-        """Engine stats (without step times) and adapter figures, as the directory keeps."""
+        """Engine stats (without step times) and adapter figures, as the directory keeps;
+        "time" is taken first, so the figures count everything that happened before it."""
         import ray
 
+        now = time.time()
         stats = {k: v for k, v in self.engine.stats().items() if k != "step"}
         return {
             "stats": stats,
@@ -218,5 +220,5 @@ class LoraReplica:
             "in_use": self.adapters.in_use(),
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
-            "time": time.time(),
+            "time": now,
         }
