@@ -18,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
-# [text](target) and ![alt](target), with an optional "title" after the target
-LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+# [text](target) and ![alt](target), with an optional "title" after the target; the text may
+# wrap onto the next line, as Markdown allows
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 ISSUE = re.compile(r"\bissues?\s*#?\d+", re.I)
 
@@ -99,8 +100,9 @@ def test_relative_links_resolve(path):
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path, monkeypatch):
-    """The link check finds a missing file, a missing anchor and a link out of the repository,
-    and leaves web links, code and good links alone; the issue pattern finds its forms."""
+    """The link check finds a missing file, a missing anchor and a link out of the repository
+    (its text wrapped onto a second line or not), and leaves web links, code and good links
+    alone; the issue pattern finds its forms."""
     root = tmp_path / "repo"
     monkeypatch.setattr(sys.modules[__name__], "ROOT", root)
     (root / "docs").mkdir(parents=True)
@@ -111,12 +113,15 @@ def test_the_checks_catch_what_they_are_for(tmp_path, monkeypatch):
         "# A\n[ok](B.md) [ok](B.md#big-title-v2-x_y) [ok](B.md#part-1) [ok](#a)\n"
         "[web](https://example.com/x) `[code](nowhere.md)`\n```\n[code](nowhere.md)\n```\n"
         "[gone](C.md) [bad anchor](B.md#nope) [out](../../outside.md) ![img](pic.png)\n"
+        "a [wrapped\nlink](D.md) and [another](B.md#part-2)\n"
     )
     assert broken_links(page) == [
         "C.md: no such file",
         "B.md#nope: no heading with anchor #nope",
         "../../outside.md: outside the repository",
         "pic.png: no such file",
+        "D.md: no such file",
+        "B.md#part-2: no heading with anchor #part-2",
     ]
     assert all(ISSUE.search(s) for s in ("issue 19", "Issue 7's shapes", "issues 7 and 19"))
     assert not ISSUE.search("the issue's finding; tissue 3 is biology")
