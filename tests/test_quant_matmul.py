@@ -47,6 +47,16 @@ def session(present: tuple[str, ...], outputs: int = 1, **attrs):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+# The block forms the op serves: integer zero points, none (the midpoint), zero points with
+# float offsets, and offsets without zero points (the default model's GGUF Q4_1 blocks)
+KINDS = {
+    "zeros": dict(zeros=True),
+    "symmetric": dict(zeros=False),
+    "offsets": dict(zeros=True, offsets=True),
+    "gguf-q4_1": dict(zeros=False, offsets=True),
+}
+
+
 def weights(rng, n, k, block, zeros=True, offsets=False, bits=4):
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
     q = quantize_rtn(w, bits, block, symmetric=not zeros)
@@ -100,10 +110,10 @@ SHAPES = [  # (rows, N, K, block): decode and prefill rows, N off the 64-column 
 
 
 @pytest.mark.parametrize("rows,n,k,block", SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("kind", ["zeros", "symmetric", "offsets"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_shapes(rows, n, k, block, kind, bits, rng):
-    q = weights(rng, n, k, block, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
+    q = weights(rng, n, k, block, **KINDS[kind], bits=bits)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :block] = 0.0  # a block of zeros: scale 0, codes 0
     y = run(q, x)
@@ -111,11 +121,11 @@ def test_shapes(rows, n, k, block, kind, bits, rng):
     np.testing.assert_allclose(y, expected(q, x), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "offsets", "symmetric"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_float_inputs_at_accuracy_level_0(kind, bits, rng):
     """accuracy_level 0 (--verify's check): x as it is, times the dequantized weight."""
-    q = weights(rng, 100, 128, 32, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
+    q = weights(rng, 100, 128, 32, **KINDS[kind], bits=bits)
     x = rng.standard_normal((5, 128)).astype(np.float32)
     feeds = feeds_of(q, x)
     attrs = dict(K=128, N=100, block_size=32, bits=bits, accuracy_level=0)
@@ -152,12 +162,12 @@ def test_splits_cut_y_by_columns(splits, bits, rng):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("kind", ["zeros", "symmetric", "offsets"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tiles_read_back(bits, kind, rng):
     """The readers of an export's tiles (quant_reference.py, adapters/base_weights.py) get the
     blocks back: untile_blocks inverts tile_blocks, quant_tiles.dequantize is W (N = 100: the
     last tile padded)."""
-    q = weights(rng, 100, 96, 32, zeros=kind != "symmetric", offsets=kind == "offsets", bits=bits)
+    q = weights(rng, 100, 96, 32, **KINDS[kind], bits=bits)
     t = tile_blocks(q)
     assert t.bits == bits and t.block_size == 32
     back = untile_blocks(t, 100)
