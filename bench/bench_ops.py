@@ -12,8 +12,10 @@
                   cached) -> time and GFLOPS
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
-                  MatMul, SmolLM2's projections, 30 layers' weights per run (as a decode step
-                  reads them: past the caches), and its 8-bit LM head (symmetric, block 32,
+                  MatMul, and the same weights in the default model's GGUF Q4_1 form (a
+                  float offset per block for the zero points: gguf_*),
+                  SmolLM2's projections, 30 layers' weights per run (as a decode step reads
+                  them: past the caches), and its 8-bit LM head (symmetric, block 32,
                   vocab 49,152 x 576, 4 copies per run) -> speedup per product, and its rate
                   against the core's int8 multiply-add roof (bench/int8_roof.cc, built with
                   the system C++ compiler: vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) for
@@ -51,6 +53,7 @@ os.environ["OPENBLAS_NUM_THREADS"] = str(THREADS)
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -491,8 +494,11 @@ def quant_session(
 ) -> ort.InferenceSession:
     """`layers` products of x [rows, k] with distinct random [n, k] weights, one node each:
     kind "quant" (ort_lora.QuantMatMul), "nbits" (com.microsoft.MatMulNBits, accuracy_level 4;
-    weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32".
-    bits 4: asymmetric (zero points), as the linear layers; 8: symmetric, as the LM head.
+    weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32",
+    or "gguf": QuantMatMul on the same weights in the default model's form, GGUF Q4_1's (no
+    zero points, a float offset per block: (8 - zero) * scale, so W is the same).
+    bits 4: asymmetric (zero points), as an int4 export of a float checkpoint; 8: symmetric,
+    as the LM head.
     library: the op library's file to register instead of this checkout's."""
     from onnx import numpy_helper
 
@@ -509,12 +515,16 @@ def quant_session(
             op, attrs = "MatMulNBits", dict(bits=bits, block_size=32, accuracy_level=4)
             attrs["domain"] = "com.microsoft"
         else:
+            if kind == "gguf":
+                offsets = ((8.0 - q.zeros.astype(np.float32)) * q.scales).astype(np.float32)
+                q = dataclasses.replace(q, zeros=None, offsets=offsets)
             t = tile_blocks(q)
-            arrays = {"b": t.codes, "s": t.scales, "z": t.zeros}
+            arrays = {"b": t.codes, "s": t.scales, "z": t.zeros, "o": t.offsets}
             op, attrs = "QuantMatMul", dict(bits=bits, block_size=32, domain=ort_lora.OPS_DOMAIN)
-        arrays = {name: a for name, a in arrays.items() if a is not None}
-        names = [f"{name}{i}" for name in arrays]
-        inits += [numpy_helper.from_array(a, nm) for a, nm in zip(arrays.values(), names)]
+        while arrays and list(arrays.values())[-1] is None:  # trailing optional inputs
+            arrays.popitem()
+        names = [f"{name}{i}" if a is not None else "" for name, a in arrays.items()]
+        inits += [numpy_helper.from_array(a, nm) for a, nm in zip(arrays.values(), names) if nm]
         if op != "MatMul":
             attrs |= dict(K=k, N=n)
         nodes.append(helper.make_node(op, ["x", *names], [f"y{i}"], **attrs))
@@ -581,17 +591,29 @@ def quant_cases(quick: bool):
 
 
 def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None):
-    """against: another op library's file, whose QuantMatMul runs the same weights in turn with
-    this checkout's (vs_library: its time / this one's; their outputs must agree exactly)."""
+    """4 bits: QuantMatMul on the weights in the default model's form too (gguf_*: the same W,
+    GGUF Q4_1's offsets for the zero points). against: another op library's file, whose
+    QuantMatMul runs the same weights in turn with this checkout's (vs_library: its time /
+    this one's; their outputs must agree exactly)."""
     rng = np.random.default_rng(seed)
     x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
     kinds = ("quant", "nbits", "f32")
     weights = rng.bit_generator.state  # what the first session draws its weights from
-    sessions = [quant_session(kind, k, n, bits, layers, rng) for kind in kinds]
-    if against:  # the first session's weights
+
+    def first_weights():
         same = np.random.default_rng()
         same.bit_generator.state = weights
-        other = quant_session("quant", k, n, bits, layers, same, against)
+        return same
+
+    sessions = [quant_session(kind, k, n, bits, layers, rng) for kind in kinds]
+    gguf = {}
+    if bits == 4:  # the same W in the offsets form, its products as close as x's rounding allows
+        gguf_session = quant_session("gguf", k, n, bits, layers, first_weights())
+        for a, b in zip(sessions[0].run(None, x), gguf_session.run(None, x)):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-2 * np.abs(a).max())
+        sessions.append(gguf_session)
+    if against:  # the first session's weights
+        other = quant_session("quant", k, n, bits, layers, first_weights(), against)
         mismatch = [
             i for i, (a, b) in enumerate(zip(sessions[0].run(None, x), other.run(None, x)))
             if not np.array_equal(a, b)
@@ -601,7 +623,11 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
         sessions.append(other)
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
     (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times[:3]]
-    extra = {"vs_library": times[3][0] / layers / quant} if against else {}
+    if bits == 4:
+        gguf_time = times[3][0] / layers
+        gguf = {"gguf_ms": gguf_time * 1e3, "gguf_vs_nbits": nbits / gguf_time}
+        gguf["gguf_vs_f32"] = f32 / gguf_time
+    extra = {"vs_library": times[-1][0] / layers / quant} if against else {}
     return {
         "case": name,
         "rows": rows,
@@ -617,6 +643,7 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
         "quant_gops": 2 * rows * k * n / quant / 1e9,
         "f32_gflops": 2 * rows * k * n / f32 / 1e9,
         "quant_min_ms": quant_min * 1e3,
+        **gguf,
         **extra,
     }
 
@@ -699,7 +726,7 @@ def print_table(title, rows, cols):
     print(f"\n{title}")
     print("  ".join(cell(i, c) for i, c in enumerate(cols)))
     for r in rows:
-        print("  ".join(cell(i, r[c]) for i, c in enumerate(cols)))
+        print("  ".join(cell(i, r.get(c)) for i, c in enumerate(cols)))  # absent: None
 
 
 SECTIONS = ("sgmv", "rows", "mixes", "attention", "quant")
@@ -835,12 +862,15 @@ def main(argv=None) -> int:
     title += " of rank 32 (per call; ratios of medians)"
     print_table(title, mix_rows, cols)
     cols = ["case", "rows", "k", "n", "bits", "quant_ms", "nbits_ms", "f32_ms", "vs_nbits"]
-    cols += ["vs_f32", "quant_gops", "of_roof", "f32_gflops", "f32_of_roof"]
+    cols += ["vs_f32", "gguf_ms", "gguf_vs_nbits", "gguf_vs_f32", "quant_gops", "of_roof"]
+    cols += ["f32_gflops", "f32_of_roof"]
     cols += ["of_q4_loop"] if loop_gops else []
     cols += ["vs_library"] if args.against_library else []
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
-    title += " / QuantMatMul's; of_roof = GOPS per thread / the int8 roof, f32_of_roof = float32"
+    title += " / QuantMatMul's; gguf_* = QuantMatMul on the same weights in the default model's"
+    title += " GGUF Q4_1 form, offsets for zero points; of_roof = GOPS per thread / the int8"
+    title += " roof, f32_of_roof = float32"
     title += " MatMul's GFLOPS per thread / the float32 FMA roof, of_q4_loop = GOPS per thread /"
     title += f" the AVX2 4-bit kernel's loop alone: {roof})"
     print_table(title, quant_rows, cols)

@@ -104,6 +104,31 @@ def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_
     assert "vs_library" not in bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
 
 
+def test_the_default_models_form_carries_the_same_weights(bench_ops):
+    """gguf_*: the 4-bit weights again in GGUF Q4_1's form (no zero points, a float offset per
+    block), which the default model runs: products of the same W, both within x's int8
+    rounding of the float product; the 8-bit head has no such form."""
+    import time
+
+    import numpy as np
+
+    from ort_lora.export.quant import quantize_rtn
+
+    def session(kind):
+        return bench_ops.quant_session(kind, 64, 80, 4, 1, np.random.default_rng(7))
+
+    x = {"x": np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)}
+    w = np.random.default_rng(7).standard_normal((80, 64)).astype(np.float32) * 0.05
+    exact = x["x"] @ quantize_rtn(w, 4, 32, symmetric=False).dequantize().T
+    zeros_form, gguf_form = session("quant").run(None, x)[0], session("gguf").run(None, x)[0]
+    for y in (zeros_form, gguf_form):
+        np.testing.assert_allclose(y, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    assert not np.array_equal(zeros_form, gguf_form)  # the offsets input is really used
+    row = bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
+    assert row["gguf_ms"] > 0 and row["gguf_vs_nbits"] > 0 and row["gguf_vs_f32"] > 0
+    assert "gguf_ms" not in bench_ops.bench_quant("t", 3, 64, 80, 8, 2, 2, 0, time.perf_counter)
+
+
 POOL_PROBE = """
 import importlib.util, os, sys
 import numpy as np
