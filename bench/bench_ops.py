@@ -606,27 +606,26 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
         return same
 
     sessions = [quant_session(kind, k, n, bits, layers, rng) for kind in kinds]
-    gguf = {}
+    ours = sessions[0].run(None, x)
     if bits == 4:  # the same W in the offsets form, its products as close as x's rounding allows
         gguf_session = quant_session("gguf", k, n, bits, layers, first_weights())
-        for a, b in zip(sessions[0].run(None, x), gguf_session.run(None, x)):
+        for a, b in zip(ours, gguf_session.run(None, x)):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-2 * np.abs(a).max())
         sessions.append(gguf_session)
     if against:  # the first session's weights
         other = quant_session("quant", k, n, bits, layers, first_weights(), against)
         mismatch = [
-            i for i, (a, b) in enumerate(zip(sessions[0].run(None, x), other.run(None, x)))
-            if not np.array_equal(a, b)
-        ]  # fmt: skip
+            i for i, (a, b) in enumerate(zip(ours, other.run(None, x))) if not np.array_equal(a, b)
+        ]
         if mismatch:
             raise SystemExit(f"{name}: outputs {mismatch} differ from {against}'s")
         sessions.append(other)
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
     (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times[:3]]
+    gguf = {}
     if bits == 4:
-        gguf_time = times[3][0] / layers
-        gguf = {"gguf_ms": gguf_time * 1e3, "gguf_vs_nbits": nbits / gguf_time}
-        gguf["gguf_vs_f32"] = f32 / gguf_time
+        g = times[3][0] / layers
+        gguf = {"gguf_ms": g * 1e3, "gguf_vs_nbits": nbits / g, "gguf_vs_f32": f32 / g}
     extra = {"vs_library": times[-1][0] / layers / quant} if against else {}
     return {
         "case": name,
