@@ -1,0 +1,189 @@
+"""What LoRA costs beside the base model, measured in one process: 32 decode-heavy requests
+(8 prompt + 64 new tokens, EOS ignored) over 16 adapters (request i on adapter i % 16) against
+the same 32 requests with no adapter, on each export, in alternating rounds.
+
+    python bench/bench_lora_cost.py --out docs/bench/lora-cost/inprocess.json
+    python bench/bench_lora_cost.py --exports int4 --rounds 8 --adapter-dtype int8
+
+`ort-lora bench --experiments quant` times each row in a process of its own, one after
+another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
+in three such runs on one machine) the ratio of two rows moves with it, and even rounds a few
+seconds apart in one process read 0.70-0.97. Here each export has two engines in one process,
+on one thread pool (bench_ops.share_one_pool): one serves the requests over the adapters, the
+other the same requests without, and their steps alternate, so a round's ratio compares steps
+taken tens of milliseconds apart.
+
+The exports and adapters are the benchmark's own (ort_lora/bench/assets.py: SmolLM2-135M from
+its GGUF, 16 seeded random rank-16 PEFT adapters of all seven modules), built once into
+--cache-dir and shared with `ort-lora bench`. Prints a table, writes the rounds and medians
+(with the command, date, machine and load) as JSON and a plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
+EXPORTS = ("int4", "float32")
+
+
+def build(cache: Path, names: list[str], adapter_dtype: str) -> tuple[dict[str, Path], list]:
+    """The named exports of SmolLM2 and the 16 adapters, made once into `cache`."""
+    from ort_lora.bench import assets
+
+    source = assets.ModelSource("smollm2")
+    root = cache / source.name
+    hf = source.hf_checkpoint(root)
+    made = {
+        "float32": lambda: assets.ort_lora_model(hf, root, 16, adapter_dtype),
+        "int4": lambda: assets.ort_lora_int4(source, hf, root, 16, adapter_dtype),
+    }
+    return {n: made[n]() for n in names}, assets.random_adapters(hf, root, ADAPTERS, 16, 0)
+
+
+def engine(model: Path, adapters: list, threads: int):
+    """An LLMEngine on `model` with every adapter registered (rows copied into the pool)."""
+    from ort_lora.config import EngineConfig
+    from ort_lora.engine.llm_engine import LLMEngine
+    from ort_lora.lora_request import LoRARequest
+
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=True)
+    eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)
+    loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
+    for lora in loras:
+        eng.add_lora(lora)
+    return eng, loras
+
+
+def submit(eng, loras: list | None, tag: str) -> None:
+    """The 32 requests, request i on adapter i % 16 (loras None: on the base model)."""
+    from ort_lora.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i in range(REQUESTS):
+        prompt = [100 + (7 * i + j) % 500 for j in range(PROMPT)]
+        eng.add_request(f"{tag}-{i}", prompt, params, loras[i % ADAPTERS] if loras else None)
+
+
+def serve_in_turn(mixed, base, loras: list, tag: str) -> tuple[float, float]:
+    """Output tok/s of the 32 requests over 16 adapters on engine `mixed` and without adapters
+    on engine `base` (the same export), their steps taken in turn: each rate counts only its
+    own engine's steps, and a change in the machine's speed falls on both alike."""
+    submit(mixed, loras, f"{tag}-m")
+    submit(base, None, f"{tag}-b")
+    spent = {id(mixed): 0.0, id(base): 0.0}
+    while mixed.has_unfinished_requests() or base.has_unfinished_requests():
+        for eng in (mixed, base):
+            if eng.has_unfinished_requests():
+                start = time.perf_counter()
+                eng.step()
+                spent[id(eng)] += time.perf_counter() - start
+    tokens = REQUESTS * NEW_TOKENS
+    return tokens / spent[id(mixed)], tokens / spent[id(base)]
+
+
+def measure(pairs: dict, rounds: int) -> dict:
+    """Per export: tok/s of each round, mixed and base, and their ratio."""
+    runs = {n: {"mixed": [], "base": []} for n in pairs}
+    for name, (mixed, base, loras) in pairs.items():  # warm-up: every adapter's rows
+        serve_in_turn(mixed, base, loras, f"warm-{name}")
+    for r in tqdm(range(rounds), desc="rounds", unit="round"):
+        for name, (mixed, base, loras) in pairs.items():
+            m, b = serve_in_turn(mixed, base, loras, f"{name}-{r}")
+            runs[name]["mixed"].append(m)
+            runs[name]["base"].append(b)
+    for run in runs.values():
+        run["ratio"] = [m / b for m, b in zip(run["mixed"], run["base"])]
+        run["median_ratio"] = statistics.median(run["ratio"])
+    return runs
+
+
+def report(doc: dict) -> str:
+    lines = [
+        f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
+        f"adapter rows {doc['adapter_dtype']}): 16 adapters mixed / base, decode-heavy",
+        f"{'export':<8} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
+    ]
+    for name, run in doc["exports"].items():
+        ratios = " ".join(f"{x:.3f}" for x in run["ratio"])
+        tok = f"{statistics.median(run['mixed']):.0f}, {statistics.median(run['base']):.0f}"
+        lines.append(f"{name:<8} {run['median_ratio']:>7.3f}  {ratios:<36} {tok}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, run in doc["exports"].items():
+        rounds = range(1, len(run["ratio"]) + 1)
+        ax.plot(rounds, run["ratio"], "o-", label=f"{name} (median {run['median_ratio']:.2f})")
+    ax.axhline(0.92, color="gray", linestyle="--", label="goal 0.92")
+    ax.set(xlabel="round", ylabel="16 adapters mixed / base", ylim=(0, 1.05))
+    ax.set_title(f"LoRA cost per round, one process ({doc['isa']})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/lora_cost.json")
+    p.add_argument("--cache-dir", default=".cache/bench")
+    p.add_argument("--exports", default="int4,float32", help=f"comma-separated, of {EXPORTS}")
+    p.add_argument(
+        "--adapter-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"]
+    )
+    p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    names = args.exports.split(",")
+    if not names or set(names) - set(EXPORTS):
+        p.error(f"--exports: one or more of {list(EXPORTS)}, got {args.exports!r}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+
+    from ort_lora.bench.cli import cpu_isa, cpu_name
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_ops import share_one_pool
+
+    models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype)
+    share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
+    pairs = {}
+    for n in names:  # two engines of each export: one serves the adapters, one the base
+        mixed, loras = engine(models[n], adapters, args.threads)
+        pairs[n] = (mixed, engine(models[n], [], args.threads)[0], loras)
+    doc = {
+        "command": "python bench/bench_lora_cost.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpu": cpu_name(),
+        "isa": cpu_isa(),
+        "threads": args.threads,
+        "adapter_dtype": args.adapter_dtype,
+        "loadavg_start": os.getloadavg(),
+    }
+    doc["exports"] = measure(pairs, args.rounds)
+    doc["loadavg_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    plot(doc, out.with_suffix(".png"))
+    print(report(doc))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
