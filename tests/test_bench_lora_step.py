@@ -4,26 +4,18 @@ benchmark's, never checked here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_lora_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench_lora_step():
-    spec = importlib.util.spec_from_file_location("bench_lora_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    argv, sys.argv = sys.argv, [str(SCRIPT), "--threads", "1"]  # read at import (bench_ops)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.argv = argv
-    return module
+    return load_script(SCRIPT, argv=["--threads", "1"])  # read at import (bench_ops)
 
 
 @pytest.fixture

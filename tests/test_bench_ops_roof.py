@@ -4,26 +4,19 @@ beside this one (the numbers themselves are the benchmark's, never checked here)
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_ops.py"
 
 
 @pytest.fixture(scope="module")
 def bench_ops():
-    spec = importlib.util.spec_from_file_location("bench_ops", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
     # it reads --threads from argv at import; 2 threads: a pool per session would add a thread
-    argv, sys.argv = sys.argv, [str(SCRIPT), "--threads", "2"]
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.argv = argv
-    return module
+    return load_script(SCRIPT, argv=["--threads", "2"])
 
 
 def cpu_flags() -> set[str]:

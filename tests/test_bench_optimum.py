@@ -4,19 +4,17 @@ optimum venv, so it is loaded by path; its helpers import nothing heavy."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from ort_lora.bench import peers, plan
 from ort_lora.bench.spec import RunSpec
 from ort_lora.bench.systems import RUNNERS, optimum_peer
 from ort_lora.bench.workloads import BenchRequest, Workload
 
-_spec = importlib.util.spec_from_file_location("optimum_child", optimum_peer.CHILD)
-child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(child)
+child = load_script(optimum_peer.CHILD, "optimum_child")
 
 
 def _req(adapter, arrival=0.0, max_tokens=3, prompt=(5, 6)):

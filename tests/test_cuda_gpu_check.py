@@ -6,20 +6,18 @@ CPU-only library."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import onnxruntime
 import pytest
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 
 @pytest.fixture
 def gpu_check(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(SCRIPT)
     monkeypatch.setattr(module, "RESULTS", {})
     return module
 

@@ -3,10 +3,10 @@ own-adapter one makes a PEFT adapter and serves it."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from ort_lora import LLM, SamplingParams
 
@@ -15,9 +15,7 @@ OWN_ADAPTER = EXAMPLE.with_name("own_adapter.py")
 
 
 def test_own_session_example_matches_engine(tiny_llama_export):
-    spec = importlib.util.spec_from_file_location("own_session", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(EXAMPLE)
     prompt = [1, 5, 17, 99, 3, 42, 8, 77, 120, 64]  # spans two blocks of 8
     tokens = module.main(
         [str(tiny_llama_export), "--tokens", "12", "--prompt-ids", ",".join(map(str, prompt))]
@@ -33,9 +31,7 @@ def test_own_adapter_example_trains_saves_and_serves(smollm2_default_export, tmp
     """docs/ADAPTERS.md's path: a PEFT adapter made with peft, served by `ort-lora serve
     --lora-modules`, answers under its own name (two training steps: the plumbing, not the
     learning)."""
-    spec = importlib.util.spec_from_file_location("own_adapter", OWN_ADAPTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(OWN_ADAPTER)
     out = tmp_path / "ahoy"
     answers = module.main(
         [str(out), "--steps", "2", "--serve", "--model-dir", str(smollm2_default_export)]
