@@ -31,7 +31,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ort_lora.adapter_rows import ROW_TYPES
+
 REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
+VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 EXPORTS = ("int4", "float32")
 
 
@@ -64,13 +67,17 @@ def engine(model: Path, adapters: list, threads: int):
 
 
 def submit(eng, loras: list | None, tag: str) -> None:
-    """The 32 requests, request i on adapter i % 16 (loras None: on the base model)."""
+    """The benchmark's decode-heavy requests (its "uniform" workload: request i on adapter
+    i % 16; loras None: its "base" workload, the same prompts without adapters)."""
+    from ort_lora.bench.workloads import popularity_workload
     from ort_lora.sampling_params import SamplingParams
 
+    pattern = "uniform" if loras else "base"
+    work = popularity_workload(pattern, REQUESTS, PROMPT, NEW_TOKENS, VOCAB, ADAPTERS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i in range(REQUESTS):
-        prompt = [100 + (7 * i + j) % 500 for j in range(PROMPT)]
-        eng.add_request(f"{tag}-{i}", prompt, params, loras[i % ADAPTERS] if loras else None)
+    for i, r in enumerate(work.requests):
+        lora = None if r.adapter is None else loras[r.adapter]
+        eng.add_request(f"{tag}-{i}", list(r.prompt_ids), params, lora)
 
 
 def serve_in_turn(mixed, base, loras: list, tag: str) -> tuple[float, float]:
@@ -142,14 +149,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/lora_cost.json")
     p.add_argument("--cache-dir", default=".cache/bench")
     p.add_argument("--exports", default="int4,float32", help=f"comma-separated, of {EXPORTS}")
-    p.add_argument(
-        "--adapter-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"]
-    )
+    p.add_argument("--adapter-dtype", default="float32", choices=list(ROW_TYPES))
     p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     names = args.exports.split(",")
-    if not names or set(names) - set(EXPORTS):
+    if set(names) - set(EXPORTS):
         p.error(f"--exports: one or more of {list(EXPORTS)}, got {args.exports!r}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
