@@ -10,6 +10,8 @@ draws fresh random data from the `rng` fixture (seeded from the test id, the see
 failure); the pool is NaN outside the adapter rows, so a kernel reading anywhere else fails the
 comparison. The reference reads the same stored 16-bit / int8 values, so every row type shares the
 float32-accumulation tolerance (int8: the kernel folds the rows' scales into the shrink scale).
+Input 26, row_types, gives each slot its own row type in place of the attribute: pools holding
+rows of all four types, read in one call (plain, composed, DoRA segments; three modules).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from onnx import TensorProto, helper
 
 import ort_lora
 from ort_lora.adapter_rows import row_elems
-from ort_lora.ops.lora_sgmv_ref import ADAPTER_DTYPES, lora_sgmv, place_random_adapters
+from ort_lora.ops.lora_sgmv_ref import (
+    ADAPTER_DTYPES,
+    ModuleTables,
+    lora_sgmv,
+    lora_sgmv_modules,
+    place_random_adapters,
+)
 
 INPUTS = [
     ("y", TensorProto.FLOAT, 2),
@@ -42,6 +50,16 @@ OPTIONAL_INPUTS = [  # composition entries [E] and DoRA rows [num_slots]
     ("comp_weights", TensorProto.FLOAT, 1),
     ("dora_offsets", TensorProto.INT64, 1),
 ]
+MODULE_INPUTS = [  # a further module's y and tables (attribute modules), each named <name>_m
+    ("y", TensorProto.FLOAT, 2),
+    ("a_offsets", TensorProto.INT64, 2),
+    ("b_offsets", TensorProto.INT64, 2),
+    ("ranks", TensorProto.INT32, 2),
+    ("scales", TensorProto.FLOAT, 2),
+    ("dora_offsets", TensorProto.INT64, 1),
+]
+NUM_MODULE_INPUTS = 2 * len(MODULE_INPUTS)  # inputs 14..25: modules 1 and 2's
+ROW_TYPES = ("row_types", TensorProto.INT32, 1)  # input 26: int32 [num_slots] or [0]
 # Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
 RTOL = {"float32": 1e-5, "bfloat16": 1e-5, "float16": 1e-5, "int8": 1e-5}
 # Adapter-row dtype -> node attributes: float32 rows are the default (no attribute).
@@ -50,6 +68,8 @@ ATTRS = {"float32": {}} | {t: {"adapter_dtype": ADAPTER_DTYPES[t]} for t in list
 ROW_UNIT = {"float32": "elements", "bfloat16": "bfloat16", "float16": "float16",
             "int8": r"int8 \(scale first"}  # fmt: skip
 each_dtype = pytest.mark.parametrize("dtype", list(RTOL))
+TYPES = list(ADAPTER_DTYPES)  # row type names, row_types' TensorProto codes by name
+TYPE_NAMES = {code: name for name, code in ADAPTER_DTYPES.items()}
 
 
 def make_session(
@@ -57,31 +77,41 @@ def make_session(
     input_types: dict[str, int] | None = None,
     shapeless: bool = False,
     optional: tuple[str, ...] = (),
+    modules: int = 1,
     **attrs,
 ) -> ort.InferenceSession:
     """A one-node LoraSGMV model; input_types overrides declared input element types;
     shapeless declares no input ranks (so the op itself, not ORT, checks them); optional names
-    the optional inputs the node has (the others are left out: ""); attrs are further node
-    attributes (adapter_dtype)."""
-    used = INPUTS + [i for i in OPTIONAL_INPUTS if i[0] in optional]
+    the optional inputs the node has (OPTIONAL_INPUTS' and row_types; the others are left out:
+    ""); modules > 1: attribute modules, modules 1.. inputs <name>_m and outputs y_out_m;
+    attrs are further node attributes (adapter_dtype)."""
+    further = [(f"{n}_{m}", t, r) for m in range(1, modules) for n, t, r in MODULE_INPUTS]
+    row_types = [ROW_TYPES] if ROW_TYPES[0] in optional else []
+    used = INPUTS + [i for i in OPTIONAL_INPUTS if i[0] in optional] + further + row_types
     types = {name: t for name, t, _ in used} | (input_types or {})
     graph_inputs = [
         helper.make_tensor_value_info(name, types[name], None if shapeless else [None] * rank)
         for name, _, rank in used
     ]
     names = [n for n, _, _ in INPUTS]
-    if optional:
+    if len(used) > len(INPUTS):
         names += [n if n in optional else "" for n, _, _ in OPTIONAL_INPUTS]
+    names += [n for n, _, _ in further]
+    if row_types:
+        names += [""] * (NUM_MODULE_INPUTS - len(further)) + [ROW_TYPES[0]]
+    outputs = ["y_out"] + [f"y_out_{m}" for m in range(1, modules)]
+    if modules > 1:
+        attrs["modules"] = modules
     node = helper.make_node(
         "LoraSGMV",
         names,
-        ["y_out"],
+        outputs,
         domain=ort_lora.OPS_DOMAIN,
         layer=layer,
         **attrs,
     )
-    output = helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [None, None])
-    graph = helper.make_graph([node], "lora_sgmv", graph_inputs, [output])
+    outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [None, None]) for o in outputs]
+    graph = helper.make_graph([node], "lora_sgmv", graph_inputs, outputs)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
     opts = ort_lora.session_options(intra_op_num_threads=2)
@@ -89,33 +119,43 @@ def make_session(
 
 
 ALL_OPTIONAL = tuple(n for n, _, _ in OPTIONAL_INPUTS)
-_SESSIONS: dict[tuple[int, str, bool], ort.InferenceSession] = {}
+_SESSIONS: dict[tuple[int, str, bool, bool], ort.InferenceSession] = {}
 
 
-def session(layer: int = 0, adapter_dtype: str = "float32", full: bool = False):
+def session(
+    layer: int = 0, adapter_dtype: str = "float32", full: bool = False, row_types: bool = False
+):
     """The cached one-node model of `layer` with adapter rows of type adapter_dtype; full: the
-    node has all 14 inputs, else the 10 required ones."""
-    key = (layer, adapter_dtype, full)
+    node has all 14 inputs, else the 10 required ones; row_types: input 26 too."""
+    key = (layer, adapter_dtype, full, row_types)
     if key not in _SESSIONS:
-        optional = ALL_OPTIONAL if full else ()
+        optional = (ALL_OPTIONAL if full else ()) + ((ROW_TYPES[0],) if row_types else ())
         _SESSIONS[key] = make_session(layer, optional=optional, **ATTRS[adapter_dtype])
     return _SESSIONS[key]
 
 
+def session_for(feeds, dtype, layer=0):
+    """session() of the inputs make_case gave: the 14-input node for composition / DoRA cases,
+    with row_types where the case has them."""
+    return session(layer, dtype, full="dora_offsets" in feeds, row_types="row_types" in feeds)
+
+
 def make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, in_f=64, out_f=192, layer_ranks=None,
-              comp=None, dora_slots=()):  # fmt: skip
+              comp=None, dora_slots=(), slot_dtypes=None):  # fmt: skip
     """Feeds for one call; dtype is the adapter rows' type in the pool; layer_ranks
     [num_layers, num_slots] defaults to slot_ranks. comp: composition entries [(segment, slot,
-    weight)] and dora_slots: the slots with a DoRA row; either one makes a 14-input case."""
-    placed = place_random_adapters(
-        rng, list(slot_ranks), in_f, out_f, adapter_dtype=dtype, dora_slots=list(dora_slots)
-    )
+    weight)] and dora_slots: the slots with a DoRA row; either one makes a 14-input case.
+    slot_dtypes: each slot's row type in place of dtype, fed as row_types (input 26)."""
+    rows = dict(adapter_dtype=dtype, dora_slots=list(dora_slots), slot_dtypes=slot_dtypes)
+    placed = place_random_adapters(rng, list(slot_ranks), in_f, out_f, **rows)
     ranks = np.array(layer_ranks if layer_ranks is not None else [slot_ranks], np.int32)
     num_rows = int(sum(seg_lens))
     optional = {}
+    if slot_dtypes is not None:
+        optional["row_types"] = np.array([ADAPTER_DTYPES[t] for t in slot_dtypes], np.int32)
     if comp is not None or dora_slots:
         segs, slots, weights = zip(*comp) if comp else ((), (), ())
-        optional = {
+        optional |= {
             "comp_segs": np.array(segs, np.int32),
             "comp_slots": np.array(slots, np.int32),
             "comp_weights": np.array(weights, np.float32),
@@ -140,9 +180,15 @@ def assert_close(got, ref, dtype):
     np.testing.assert_allclose(got, ref, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
 
 
+def reference(feeds, dtype, layer=0):
+    """lora_sgmv of a case's feeds, their row_types (TensorProto codes) given as type names."""
+    row_types = [TYPE_NAMES[int(code)] for code in feeds.get("row_types", ())]
+    return lora_sgmv(**dict(feeds, row_types=row_types), layer=layer, adapter_dtype=dtype)
+
+
 def check(feeds, dtype, layer=0):
-    got = session(layer, dtype, full="dora_offsets" in feeds).run(None, feeds)[0]
-    ref = lora_sgmv(**feeds, layer=layer, adapter_dtype=dtype)
+    got = session_for(feeds, dtype, layer).run(None, feeds)[0]
+    ref = reference(feeds, dtype, layer)
     assert got.shape == ref.shape
     assert_close(got, ref, dtype)
 
@@ -448,12 +494,133 @@ def test_a_composed_term_of_rank_0_at_the_layer(dtype, rng):
     np.testing.assert_array_equal(got[6:], feeds["y"][6:])
 
 
+# ---- row_types: a row type per slot (input 26) -----------------------------------------------
+
+# (seg_lens, seg_slots) over 8 slots, slot s of type TYPES[s % 4]: decode segments of 1-2 rows,
+# prefill segments of >= 8 rows, base rows (-1); "mixed" reads slot 1 in both kinds of segment.
+MIXED_TYPE_LAYOUTS = {
+    "decode": ([1, 2, 1, 1, 2, 1, 1, 1, 2, 1], [0, 1, 2, 3, -1, 4, 5, 6, 7, 1]),
+    "prefill": ([9, 17, 8, 12, 10, 8], [3, 2, 1, 0, -1, 6]),
+    "mixed": ([1, 12, 2, 9, 1, 3, 1, 8, 2, 1, 11], [0, 1, 3, 2, -1, -1, 5, 4, 1, 6, 7]),
+}
+
+
+@pytest.mark.parametrize("in_f,out_f", [(64, 192), (37, 53), (576, 1536)])
+@pytest.mark.parametrize("layout", list(MIXED_TYPE_LAYOUTS))
+@each_dtype
+def test_mixed_row_types_in_one_call(dtype, layout, in_f, out_f, rng):
+    """Slots of all four row types in one pool and one call, whatever the attribute (dtype):
+    each slot's rows are read as row_types says (a slot read as another type reads NaN
+    padding or wrong values); rows fill key_cache and value_cache."""
+    seg_lens, seg_slots = MIXED_TYPE_LAYOUTS[layout]
+    feeds = make_case(rng, dtype, seg_lens, seg_slots, [16, 8, 4, 1, 64, 3, 16, 8], in_f, out_f,
+                      slot_dtypes=TYPES * 2)  # fmt: skip
+    assert halves_used(feeds) == {"key", "value"}
+    check(feeds, dtype)
+
+
+@pytest.mark.parametrize("seg_lens", [[1, 2, 1, 1], [9, 12, 8, 10]], ids=["decode", "prefill"])
+@each_dtype
+def test_mixed_row_types_composed(dtype, seg_lens, rng):
+    """Segments composing slots of different types (slot s of type TYPES[s]) equal y plus the
+    weighted deltas of each slot alone through a one-type node (attribute = the slot's type),
+    and the reference."""
+    comp = [(0, 0, 0.7), (0, 1, 0.3), (1, 3, -0.5), (1, 1, 0.25), (2, 3, 1.5), (2, 2, 0.5)]
+    feeds = make_case(rng, dtype, seg_lens, [-1, 2, -1, -1], [8, 4, 16, 2], 96, 160, comp=comp,
+                      slot_dtypes=TYPES)  # fmt: skip
+    check(feeds, dtype)
+    plain = {k: v for k, v in feeds.items() if k in {n for n, _, _ in INPUTS}}
+    y, starts, want = feeds["y"], feeds["seg_starts"], feeds["y"].copy()
+    for seg, slot, w in [(1, 2, 1.0), *comp]:
+        alone = session(0, TYPES[slot]).run(None, dict(plain, seg_slots=np.full(4, slot, np.int32)))
+        rows = slice(starts[seg], starts[seg + 1])
+        want[rows] += w * (alone[0][rows] - y[rows])
+    assert_close(session_for(feeds, dtype).run(None, feeds)[0], want, dtype)
+
+
+@pytest.mark.parametrize("dora_type", ["bfloat16", "float16"])
+@each_dtype
+def test_mixed_row_types_dora_slot_of_a_16_bit_type(dtype, dora_type, rng):
+    """Slot 1 (dora_type) and slot 3 (float32) are DoRA, beside float32 slots 0 and 2 (one
+    segment composes them): slot 1's D row is read as dora_type, in decode and prefill
+    segments."""
+    slot_dtypes = ["float32", dora_type, "float32", "float32"]
+    feeds = make_case(rng, dtype, [1, 9, 2, 3, 12, 1], [1, 1, 0, -1, 2, 3], [8, 4, 16, 8], 96, 160,
+                      comp=[(2, 2, 0.5)], dora_slots=[1, 3], slot_dtypes=slot_dtypes)  # fmt: skip
+    check(feeds, dtype)
+    sess = session_for(feeds, dtype)
+    without = sess.run(None, dict(feeds, dora_offsets=np.zeros(0, np.int64)))[0]
+    assert np.abs(sess.run(None, feeds)[0][:10] - without[:10]).max() > 0.05  # slot 1's rows
+
+
+def modules_case(rng, dtype, seg_lens, seg_slots, slot_ranks, comp, dora_slots, slot_dtypes):
+    """Feeds of a node of len(slot_ranks) modules of n = len(slot_dtypes) slots: make_case's
+    of modules * n slots cut in n, module m's tables those of slots m n .. m n + n - 1 (ranks
+    slot_ranks[m], DoRA rows for dora_slots[m]), each module its own y, row_types n entries."""
+    n, modules = len(slot_dtypes), len(slot_ranks)
+    dora = [m * n + s for m, slots in enumerate(dora_slots) for s in slots]
+    flat = make_case(rng, dtype, seg_lens, seg_slots, sum(slot_ranks, []), comp=comp,
+                     dora_slots=dora, slot_dtypes=slot_dtypes * modules)  # fmt: skip
+
+    def tables(m: int) -> dict:
+        cut = slice(m * n, (m + 1) * n)
+        rows = {k: flat[k][cut] for k in ("a_offsets", "b_offsets", "dora_offsets")}
+        return rows | {k: flat[k][:, cut] for k in ("ranks", "scales")}
+
+    feeds = flat | tables(0) | {"row_types": flat["row_types"][:n]}
+    for m in range(1, modules):
+        feeds |= {f"{k}_{m}": v for k, v in tables(m).items()}
+        feeds[f"y_{m}"] = rng.standard_normal(flat["y"].shape).astype(np.float32)
+    return {k: np.ascontiguousarray(v) for k, v in feeds.items()}
+
+
+@each_dtype
+def test_mixed_row_types_three_modules(dtype, rng):
+    """A node of attribute modules = 3 with row_types (slot s of type TYPES[s] in every
+    module): output m is lora_sgmv_modules'. Slot 1 (bfloat16) is DoRA in modules 0 and 2
+    and has no rows in module 1, slot 2 none in module 2; segments 3 and 6 compose types."""
+    feeds = modules_case(rng, dtype, [1, 9, 2, 1, 12, 1, 2], [0, 1, 2, -1, 3, 1, -1],
+                         [[8, 4, 16, 2], [8, 0, 16, 4], [4, 4, 0, 2]],
+                         comp=[(3, 0, 0.7), (3, 3, 0.3), (6, 2, -0.5), (6, 0, 0.5)],
+                         dora_slots=[[1], [], [1]], slot_dtypes=TYPES)  # fmt: skip
+    optional = (*ALL_OPTIONAL, ROW_TYPES[0])
+    got = make_session(0, optional=optional, modules=3, **ATTRS[dtype]).run(None, feeds)
+    names = [n for n, _, _ in MODULE_INPUTS]
+    modules = [ModuleTables(*(feeds[f"{n}_{m}" if m else n] for n in names)) for m in range(3)]
+    shared = {k: feeds[k] for k in ("x", "key_cache", "value_cache", "seg_starts", "seg_slots")}
+    shared |= {k: feeds[k] for k in ALL_OPTIONAL[:3]}
+    row_types = [TYPE_NAMES[int(code)] for code in feeds["row_types"]]
+    want = lora_sgmv_modules(modules, **shared, layer=0, adapter_dtype=dtype, row_types=row_types)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, dtype)
+
+
+@each_dtype
+def test_row_types_of_shape_0_are_the_attribute(dtype, rng):
+    """row_types [0] gives the node without row_types, bit for bit; row_types naming one type
+    for every slot gives that type's one-type node, whatever the attribute."""
+    feeds = make_case(rng, dtype, [1, 9, 2, 3], [0, 1, -1, 1], [8, 4], comp=[(2, 0, 0.5)],
+                      dora_slots=[1])  # fmt: skip
+    want = session(0, dtype, full=True).run(None, feeds)[0]
+    empty = dict(feeds, row_types=np.zeros(0, np.int32))
+    np.testing.assert_array_equal(session_for(empty, dtype).run(None, empty)[0], want)
+    check(empty, dtype)
+    for row_type in TYPES:
+        case = (rng, row_type, [1, 9, 2, 3], [0, 1, -1, 1], [8, 4])
+        feeds = make_case(*case, comp=[(2, 0, 0.5)], dora_slots=[1], slot_dtypes=[row_type] * 2)
+        got = session_for(feeds, dtype).run(None, feeds)[0]
+        without = {k: v for k, v in feeds.items() if k != "row_types"}
+        one_type = session(0, row_type, full=True).run(None, without)[0]
+        assert_close(got, one_type, row_type)
+        check(feeds, dtype)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
     cases = (
         "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora or "
-        "every_magnitude"
+        "every_magnitude or mixed_row_types"
     )
     assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
@@ -463,7 +630,7 @@ def test_narrower_isa_kernels(isa):
 
 def run_expect_error(feeds, match, dtype, layer=0):
     with pytest.raises(Exception, match=match):
-        session(layer, dtype, full="dora_offsets" in feeds).run(None, feeds)
+        session_for(feeds, dtype, layer).run(None, feeds)
 
 
 def valid_feeds(rng, dtype):
@@ -693,3 +860,70 @@ def test_composed_rank_over_the_limit(dtype, rng):
     feeds = make_case(rng, dtype, [2], [0], [300, 300], in_f=8, out_f=8, comp=[(0, 1, 1.0)])
     run_expect_error(feeds, r"segment 0 composes adapters of total rank 600 at layer 0, a rank "
                      "over the limit 512", dtype)  # fmt: skip
+
+
+# ---- row_types errors ---------------------------------------------------------------------------
+
+
+def mixed_feeds(rng, dtype):
+    """Slot s of type TYPES[s] (rank 4, a DoRA row), each in a segment of its own (37 -> 53)."""
+    return make_case(rng, dtype, [3, 4, 2, 2], [0, 1, 2, 3], [4] * 4, 37, 53,
+                     dora_slots=[0, 1, 2, 3], slot_dtypes=TYPES)  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [0, 2, 5, 11, -1, 1 << 20])
+@each_dtype
+def test_bad_row_types_value(dtype, value, rng):
+    feeds = mixed_feeds(rng, dtype)
+    check(dict(feeds), dtype)  # valid as made
+    feeds["row_types"][1] = value
+    types = r"1 \(float32\), 16 \(bfloat16\), 10 \(float16\) or 3 \(int8\)"
+    run_expect_error(feeds, rf"row_types\[1\] = {value} must be {types}", dtype)
+
+
+@pytest.mark.parametrize("length", [1, 3, 5, 8])
+@each_dtype
+def test_row_types_of_another_length(dtype, length, rng):
+    """row_types of neither num_slots (4) entries nor 0."""
+    feeds = mixed_feeds(rng, dtype)
+    feeds["row_types"] = np.resize(feeds["row_types"], length)
+    with pytest.raises(Exception, match="row_types") as error:
+        session_for(feeds, dtype).run(None, feeds)
+    assert "num_slots" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "table,features", [("a_offsets", 37), ("b_offsets", 53), ("dora_offsets", 53)]
+)
+@pytest.mark.parametrize("slot", range(4))
+@each_dtype
+def test_row_types_row_overrunning_its_half(dtype, slot, table, features, rng):
+    """Slot s's row (of type TYPES[s], whatever the attribute) one pool element too long for
+    the room left in key_cache (A) or value_cache (B^T, D): the error counts the row in the
+    slot's own type."""
+    feeds = mixed_feeds(rng, dtype)
+    half = feeds["key_cache"].size
+    offset = (half if table == "a_offsets" else 2 * half) - row_elems(features, TYPES[slot]) + 1
+    at = (slot,) if table == "dora_offsets" else (slot, 2)
+    feeds[table][at] = offset
+    with pytest.raises(ValueError, match="out-of-range page"):
+        reference(feeds, dtype)
+    name, unit = rf"{table}\[{', '.join(map(str, at))}\]", ROW_UNIT[TYPES[slot]]
+    expected = rf"{name} = {offset} is an out-of-range page: a row of {features} {unit}"
+    run_expect_error(feeds, expected, dtype)
+
+
+@pytest.mark.parametrize("half_type", ["bfloat16", "float16"])
+@each_dtype
+def test_row_types_a_row_fits_its_slots_type_only(dtype, half_type, rng):
+    """A 16-bit B^T row of 53 values (27 pool elements) ending value_cache is read; the same
+    offset for a float32 slot's row (53 elements: past the end) names that slot's offset,
+    whatever the attribute."""
+    feeds = make_case(rng, dtype, [3, 4], [0, 1], [4, 4], 37, 53,
+                      slot_dtypes=["float32", half_type])  # fmt: skip
+    offset = 2 * feeds["key_cache"].size - row_elems(53, half_type)
+    move_row(feeds, half_type, "b_offsets", 1, 3, 53, offset)
+    check(feeds, dtype)
+    feeds["b_offsets"][0, 2] = offset
+    expected = rf"b_offsets\[0, 2\] = {offset} is an out-of-range page: a row of 53 elements"
+    run_expect_error(feeds, expected, dtype)

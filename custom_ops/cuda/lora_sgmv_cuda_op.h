@@ -48,7 +48,7 @@ struct LoraSgmvCudaOp : Ort::CustomOpBase<LoraSgmvCudaOp, LoraSgmvCudaKernel, tr
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
   // Inputs and output as lora_sgmv_inputs.h describes them for every provider, T = dtype.
-  size_t GetInputTypeCount() const { return kNumLoraSgmvModulesInputs; }
+  size_t GetInputTypeCount() const { return kNumLoraSgmvOpInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return LoraSgmvModulesInputType(index, ElementType());
   }

@@ -90,17 +90,18 @@ inline const void* RowOrNull(const SgmvPool& pool, int64_t offset, int64_t len) 
 const void* Row(const SgmvPool& pool, int64_t offset, int64_t features, const char* name,
                 int64_t slot, int64_t j) {
   const int64_t half = pool.half;
-  const int64_t len = SgmvRowElems(pool.rows, features);  // pool elements
+  const SgmvRowLayout layout = SlotRowLayout(pool, slot);
+  const int64_t len = SgmvRowElems(layout, features);  // pool elements
   if (const void* row = RowOrNull(pool, offset, len)) return row;
   std::ostringstream at;
   at << name << "[" << slot;
   if (j >= 0) at << ", " << j;
   at << "] = " << offset << " is an out-of-range page: a row of ";
-  if (pool.rows != SgmvRowLayout::kPoolType)
+  if (layout != SgmvRowLayout::kPoolType)
     Fail(at.str(), features,
-         pool.rows == SgmvRowLayout::kInt8Scaled     ? " int8 (scale first, "
-         : pool.rows == SgmvRowLayout::kFloat16Pairs ? " float16 ("
-                                                     : " bfloat16 (",
+         layout == SgmvRowLayout::kInt8Scaled     ? " int8 (scale first, "
+         : layout == SgmvRowLayout::kFloat16Pairs ? " float16 ("
+                                                  : " bfloat16 (",
          len, " pool elements) must lie inside key_cache [0, ", half, ") or value_cache [", half,
          ", ", 2 * half, ")");
   Fail(at.str(), len, " elements must lie inside key_cache [0, ", half, ") or value_cache [", half,
@@ -112,8 +113,9 @@ void AddSlotRows(const SgmvMetadata& m, const SgmvPool& pool, int64_t slot, int6
                  std::vector<const void*>& rows) {
   const int64_t* a = m.a_offsets + slot * m.max_rank;
   const int64_t* b = m.b_offsets + slot * m.max_rank;
-  const int64_t a_len = SgmvRowElems(pool.rows, m.in_features);
-  const int64_t b_len = SgmvRowElems(pool.rows, m.out_features);
+  const SgmvRowLayout layout = SlotRowLayout(pool, slot);
+  const int64_t a_len = SgmvRowElems(layout, m.in_features);
+  const int64_t b_len = SgmvRowElems(layout, m.out_features);
   const size_t at = rows.size();
   rows.resize(at + 2 * rank);
   const void** out = rows.data() + at;

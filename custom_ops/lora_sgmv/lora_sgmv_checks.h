@@ -18,7 +18,8 @@
 //     the first time a slot of rank > 0 is used, rows j < rank of A then of B^T:
 //       a_offsets[slot, j] / b_offsets[slot, j] = o: the row of in / out features at pool
 //       element o lies wholly inside key_cache [0, half) or value_cache [half, 2 half);
-//       a row of n bfloat16 packed in a float32 pool spans ceil(n / 2) pool elements. An empty
+//       a row spans the pool elements its slot's layout gives it (SgmvRowElems: n bfloat16
+//       packed in a float32 pool span ceil(n / 2) of them). An empty
 //       row (0 features) reads nothing: any o in [0, 2 half] will do.
 //     a DoRA segment with an active term: its dora_offsets row of out features, likewise.
 // Offsets of rows j >= rank, and DoRA rows of slots no active DoRA segment uses, are never read.
@@ -62,6 +63,7 @@ enum class SgmvRowLayout : int {
                        // four per pool element (value = scale * q)
   kFloat16Pairs = 3,   // CPU adapter_dtype 10: IEEE float16 values, two per float32 element
 };
+constexpr int kSgmvRowLayouts = 4;
 
 // Pool elements one row of `features` values spans.
 inline int64_t SgmvRowElems(SgmvRowLayout layout, int64_t features) {
@@ -83,7 +85,13 @@ struct SgmvPool {
   int64_t half;        // elements in each of key_cache and value_cache
   int64_t elem_size;   // bytes per pool element (float32 on CPU, float16/bfloat16 on CUDA)
   SgmvRowLayout rows;  // how a row's values sit in pool elements
+  const SgmvRowLayout* slot_rows = nullptr;  // [num_slots]: each slot's own, in place of rows
 };
+
+// How slot `slot`'s rows sit in the pool's elements.
+inline SgmvRowLayout SlotRowLayout(const SgmvPool& pool, int64_t slot) {
+  return pool.slot_rows == nullptr ? pool.rows : pool.slot_rows[slot];
+}
 
 // A provider's largest supported rank and the words its error uses for it:
 // "ranks[l, s] = r is <what> <max>".

@@ -154,9 +154,15 @@ inline size_t LoraSgmvModuleInputIndex(size_t module, LoraSgmvModuleInput k) {
 constexpr size_t kNumLoraSgmvModulesInputs =
     kNumLoraSgmvInputs + (kSgmvMaxModules - 1) * kNumModuleInputs;
 
+// After every module's inputs, the CPU op's optional row_types: int32 [num_slots] or [0], per
+// slot the element type of its rows in place of the attribute adapter_dtype (lora_sgmv_op.h).
+constexpr size_t kRowTypes = kNumLoraSgmvModulesInputs;
+// The inputs every provider's LoraSGMV declares (the CUDA op never reads row_types).
+constexpr size_t kNumLoraSgmvOpInputs = kRowTypes + 1;
+
 // Whether input `index` is a module's y (module 0's or a further module's).
 inline bool IsLoraSgmvY(size_t index) {
-  return index == kY || (index >= kNumLoraSgmvInputs &&
+  return index == kY || (index >= kNumLoraSgmvInputs && index < kNumLoraSgmvModulesInputs &&
                          (index - kNumLoraSgmvInputs) % kNumModuleInputs == kModuleY);
 }
 
@@ -164,6 +170,7 @@ inline bool IsLoraSgmvY(size_t index) {
 inline ONNXTensorElementDataType LoraSgmvModulesInputType(size_t index,
                                                           ONNXTensorElementDataType t) {
   if (index < kNumLoraSgmvInputs) return LoraSgmvInputType(index, t);
+  if (index == kRowTypes) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   switch ((index - kNumLoraSgmvInputs) % kNumModuleInputs) {
     case kModuleY:
       return t;

@@ -20,7 +20,8 @@ size_t ModuleYInput(size_t m) { return m == 0 ? kY : LoraSgmvModuleInputIndex(m,
 struct CallScratch {
   SgmvTerms terms[kSgmvMaxModules];
   SgmvCheckedCall calls[kSgmvMaxModules];
-  std::vector<const void*> rows;  // the problem's segments point into rows and scales
+  std::vector<SgmvRowLayout> slot_rows;  // per slot, from row_types
+  std::vector<const void*> rows;         // the problem's segments point into rows and scales
   std::vector<float> scales;
   SgmvProblem problem;
 };
@@ -48,25 +49,46 @@ bool NextSegment(const SgmvCheckedCall* calls, int modules, size_t* next, int64_
   return true;
 }
 
-// Writes a module's part of one segment: its terms' A and B^T row pointers (at a_rows[j],
-// bt_rows[j] from j on) and A row scales.
-void AddModuleRows(const SgmvCheckedCall& call, const SgmvActiveSegment& a, int64_t j,
-                   const void** a_rows, const void** bt_rows, float* scales) {
+// Which terms go into a kernel problem: with per-slot row layouts (row_types), those of slots
+// whose rows are laid out as `only`; without (slot_rows null), every term.
+struct TermFilter {
+  const SgmvRowLayout* slot_rows;
+  SgmvRowLayout only;
+  bool operator()(const SgmvActiveTerm& t) const {
+    return slot_rows == nullptr || slot_rows[t.slot] == only;
+  }
+};
+
+// The summed rank of the segment's terms that `take` takes.
+int64_t TakenRank(const SgmvCheckedCall& call, const SgmvActiveSegment& a, const TermFilter& take) {
+  int64_t rank = 0;
+  for (int64_t i = a.first_term; i < a.first_term + a.num_terms; ++i)
+    if (take(call.terms[i])) rank += call.terms[i].rank;
+  return rank;
+}
+
+// Writes a module's part of one segment: the A and B^T row pointers of the terms `take` takes
+// (at a_rows[j], bt_rows[j] from j on) and A row scales.
+void AddModuleRows(const SgmvCheckedCall& call, const SgmvActiveSegment& a, const TermFilter& take,
+                   int64_t j, const void** a_rows, const void** bt_rows, float* scales) {
   for (int64_t i = a.first_term; i < a.first_term + a.num_terms; ++i) {
     const SgmvActiveTerm& t = call.terms[i];
+    if (!take(t)) continue;
     const void* const* slot_rows = call.rows.data() + t.rows;
     for (int64_t k = 0; k < t.rank; ++k, ++j)
       a_rows[j] = slot_rows[k], bt_rows[j] = slot_rows[t.rank + k], scales[j] = t.scale;
   }
 }
 
-// The kernel's segments: the active ones of every module's checked call, merged. A segment's
-// A and B^T row pointers are its modules' rows, module after module, each module's its terms'
-// back to back (rank = the sum of its terms' ranks), each A row with its term's scale * weight.
-void AddSegments(const SgmvCheckedCall* calls, int modules, CallScratch& sc) {
+// The kernel's segments: the active ones of every module's checked call, merged, with the terms
+// `take` takes. A segment's A and B^T row pointers are its modules' rows, module after module,
+// each module's its terms' back to back (rank = the sum of their ranks), each A row with its
+// term's scale * weight; a segment none of whose terms is taken is left out.
+void AddSegments(const SgmvCheckedCall* calls, int modules, const TermFilter& take,
+                 CallScratch& sc) {
   size_t total = 0;
   for (int m = 0; m < modules; ++m)
-    for (const SgmvActiveSegment& a : calls[m].segments) total += a.rank;
+    for (const SgmvActiveSegment& a : calls[m].segments) total += TakenRank(calls[m], a, take);
   sc.rows.resize(2 * total), sc.scales.resize(total);
   SgmvProblem& problem = sc.problem;
   problem.segments.clear();
@@ -78,16 +100,23 @@ void AddSegments(const SgmvCheckedCall* calls, int modules, CallScratch& sc) {
       seg.first[m + 1] = seg.first[m];
       if (at[m] < 0) continue;
       const SgmvActiveSegment& a = calls[m].segments[at[m]];
+      const int64_t rank = TakenRank(calls[m], a, take);
+      if (rank == 0) {
+        at[m] = -1;
+        continue;
+      }
       seg.row_begin = a.row_begin, seg.row_end = a.row_end, seg.dora[m] = a.dora;
-      seg.first[m + 1] += a.rank;
+      seg.first[m + 1] += rank;
     }
     seg.rank = seg.first[modules];
+    if (seg.rank == 0) continue;
     const void** a_rows = sc.rows.data() + 2 * used;
     const void** bt_rows = a_rows + seg.rank;
     float* scales = sc.scales.data() + used;
     for (int m = 0; m < modules; ++m)
       if (at[m] >= 0)
-        AddModuleRows(calls[m], calls[m].segments[at[m]], seg.first[m], a_rows, bt_rows, scales);
+        AddModuleRows(calls[m], calls[m].segments[at[m]], take, seg.first[m], a_rows, bt_rows,
+                      scales);
     seg.a_rows = a_rows, seg.bt_rows = bt_rows, seg.scales = scales;
     problem.segments.push_back(seg);
     used += seg.rank;
@@ -96,17 +125,79 @@ void AddSegments(const SgmvCheckedCall* calls, int modules, CallScratch& sc) {
 
 // Checks module m's tables (in: its inputs, as ReadLoraSgmvModuleInputs gives them) and
 // resolves its rows into sc.calls[m]; errors of modules m >= 1 name the module.
-void CheckModule(const LoraSgmvInputs& in, int64_t layer, SgmvRowLayout rows, int m,
-                 CallScratch& sc) {
+void CheckModule(const LoraSgmvInputs& in, int64_t layer, SgmvRowLayout rows,
+                 const SgmvRowLayout* slot_rows, int m, CallScratch& sc) {
   try {
     const SgmvMetadata meta = ReadSgmvMetadata(in, layer);
     CheckSgmvLayer(meta);
     ListSgmvTerms(meta, sc.terms[m]);
-    CheckSgmvSegments(meta, sc.terms[m], ReadSgmvPool(in, sizeof(float), rows), kRankLimit,
-                      sc.calls[m]);
+    SgmvPool pool = ReadSgmvPool(in, sizeof(float), rows);
+    pool.slot_rows = slot_rows;
+    CheckSgmvSegments(meta, sc.terms[m], pool, kRankLimit, sc.calls[m]);
   } catch (const InputError& e) {
     if (m == 0) throw;
     Fail("module ", m, ": ", e.what());
+  }
+}
+
+// The layout in the float32 pool of rows of ONNX element type `dtype` (attribute adapter_dtype,
+// a row_types entry); false when the CPU op has none for it.
+bool RowLayoutOf(int64_t dtype, SgmvRowLayout* layout) {
+  switch (dtype) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      return *layout = SgmvRowLayout::kPoolType, true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return *layout = SgmvRowLayout::kBFloat16Pairs, true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return *layout = SgmvRowLayout::kFloat16Pairs, true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      return *layout = SgmvRowLayout::kInt8Scaled, true;
+    default:
+      return false;
+  }
+}
+
+// Each slot's row layout from input row_types, into `out`; null when the node has no row_types
+// or an empty one (every slot's rows are of the attribute's type).
+const SgmvRowLayout* ReadRowTypes(const Ort::KernelContext& ctx, int64_t num_slots,
+                                  std::vector<SgmvRowLayout>& out) {
+  const InputView types = GetOptionalInput(ctx, kRowTypes);
+  if (!types.present) return nullptr;
+  Expect(types, "row_types", 1, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+  if (types.shape[0] == 0) return nullptr;
+  ExpectDim(types, "row_types", 0, num_slots,
+            "num_slots, as a_offsets, or 0: every slot's rows of the attribute adapter_dtype");
+  const int32_t* type = types.value.GetTensorData<int32_t>();
+  out.resize(num_slots);
+  for (int64_t s = 0; s < num_slots; ++s)
+    if (!RowLayoutOf(type[s], &out[s]))
+      Fail("row_types[", s, "] = ", type[s],
+           " must be 1 (float32), 16 (bfloat16), 10 (float16) or 3 (int8)");
+  return out.data();
+}
+
+// Runs the checked call: one kernel problem, or with per-slot layouts one per layout its terms
+// use, in turn, each after the first adding to y_out in place (a segment whose terms have
+// different layouts gets each layout's terms in that layout's problem).
+void RunProblems(CallScratch& sc, int modules, SgmvRowLayout rows, const SgmvRowLayout* slot_rows,
+                 const ParallelFor& parallel_for) {
+  SgmvProblem& problem = sc.problem;
+  bool used[kSgmvRowLayouts] = {};  // by SgmvRowLayout
+  if (slot_rows != nullptr)
+    for (int m = 0; m < modules; ++m)
+      for (const SgmvActiveTerm& t : sc.calls[m].terms)
+        used[static_cast<int>(slot_rows[t.slot])] = true;
+  if (std::none_of(used, used + kSgmvRowLayouts, [](bool u) { return u; })) {
+    problem.row_type = rows;  // no term: y_out = y
+    AddSegments(sc.calls, modules, {nullptr, rows}, sc);
+    return LoraSgmvCpu(problem, parallel_for);
+  }
+  for (int layout = 0; layout < kSgmvRowLayouts; ++layout) {
+    if (!used[layout]) continue;
+    problem.row_type = static_cast<SgmvRowLayout>(layout);
+    AddSegments(sc.calls, modules, {slot_rows, problem.row_type}, sc);
+    LoraSgmvCpu(problem, parallel_for);
+    for (int m = 0; m < modules; ++m) problem.outputs[m].y = problem.outputs[m].y_out;
   }
 }
 
@@ -203,25 +294,11 @@ LoraSgmvKernel::LoraSgmvKernel(const OrtApi&, const OrtKernelInfo* info) {
     Fail("attribute 'modules' must be in [1, ", kSgmvMaxModules, "], got ", modules);
   modules_ = static_cast<int>(modules);
   const int64_t dtype = ReadAdapterDtype(ki, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  switch (dtype) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
-      rows_ = SgmvRowLayout::kPoolType;
-      break;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      rows_ = SgmvRowLayout::kBFloat16Pairs;
-      break;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      rows_ = SgmvRowLayout::kFloat16Pairs;
-      break;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
-      rows_ = SgmvRowLayout::kInt8Scaled;
-      break;
-    default:
-      Fail("attribute 'adapter_dtype' = ", dtype,
-           " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows), 16 (BFLOAT16, "
-           "bfloat16 rows in the float32 pool), 10 (FLOAT16, float16 rows in the float32 pool) "
-           "or 3 (INT8, int8 rows with a float32 scale each)");
-  }
+  if (!RowLayoutOf(dtype, &rows_))
+    Fail("attribute 'adapter_dtype' = ", dtype,
+         " is not supported by the CPU op: it must be 1 (FLOAT, float32 rows), 16 (BFLOAT16, "
+         "bfloat16 rows in the float32 pool), 10 (FLOAT16, float16 rows in the float32 pool) "
+         "or 3 (INT8, int8 rows with a float32 scale each)");
 }
 
 OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
@@ -231,10 +308,13 @@ OrtStatusPtr LoraSgmvKernel::ComputeV2(OrtKernelContext* context) {
 void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const size_t inputs = LoraSgmvModuleInputIndex(modules_, kModuleY);  // past the last module's
-  if (ctx.GetInputCount() > inputs || ctx.GetOutputCount() != static_cast<size_t>(modules_))
-    Fail("the node has ", ctx.GetInputCount(), " inputs and ", ctx.GetOutputCount(),
-         " outputs; attribute 'modules' = ", modules_, " takes at most ", inputs, " inputs and ",
-         modules_, " outputs");
+  const size_t count = ctx.GetInputCount();
+  bool extra = count > kNumLoraSgmvOpInputs;  // or a further module's input present
+  for (size_t i = inputs; i < std::min(count, kRowTypes); ++i) extra |= ctx.GetInput(i) != nullptr;
+  if (extra || ctx.GetOutputCount() != static_cast<size_t>(modules_))
+    Fail("the node has ", count, " inputs and ", ctx.GetOutputCount(),
+         " outputs; attribute 'modules' = ", modules_, " takes at most ", inputs,
+         " inputs (then row_types, input ", kRowTypes, ") and ", modules_, " outputs");
   if (HasNoTerms(ctx, layer_, modules_)) return CopyThrough(ctx, modules_);
   CallScratch& sc = CallerScratch();
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
@@ -243,20 +323,19 @@ void LoraSgmvKernel::Compute(OrtKernelContext* context) {
   problem.num_rows = in.x.shape[0];
   problem.in_features = in.x.shape[1];
   problem.num_outputs = modules_;
-  problem.row_type = rows_;
+  const SgmvRowLayout* slot_rows = ReadRowTypes(ctx, in.a_offsets.shape[0], sc.slot_rows);
   for (int m = 0; m < modules_; ++m) {
     LoraSgmvInputs further;
     const LoraSgmvInputs& mod =
         m == 0 ? in : (further = ReadLoraSgmvModuleInputs(ctx, in, m, in.x.type));
-    CheckModule(mod, layer_, rows_, m, sc);
+    CheckModule(mod, layer_, rows_, slot_rows, m, sc);
     problem.outputs[m] = {mod.y.value.GetTensorData<float>(), nullptr, mod.y.shape[1]};
   }
-  AddSegments(sc.calls, modules_, sc);
   for (int m = 0; m < modules_; ++m) {
     const int64_t shape[2] = {problem.num_rows, problem.outputs[m].features};
     problem.outputs[m].y_out = ctx.GetOutput(m, shape, 2).GetTensorMutableData<float>();
   }
-  LoraSgmvCpu(problem, OrtParallelFor(ctx));
+  RunProblems(sc, modules_, rows_, slot_rows, OrtParallelFor(ctx));
 }
 
 OrtStatusPtr LoraSgmvOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,

@@ -52,6 +52,14 @@
 //  (ort_lora/ops/lora_sgmv_ref.py::lora_sgmv_modules): the call only shares the work, one
 //  shrink of x against every module's A rows, and the fixed cost. A bad input of module m >= 1
 //  is named <name>_m, a bad value in its tables "module m: ...".
+//  Row types per slot (optional, after module 2's inputs: input 26, kRowTypes):
+//  26 row_types    int32 [num_slots] or [0]   per slot, the ONNX element type of its A, B^T
+//                                             and D rows, as attribute adapter_dtype below
+//                                             (1, 16, 10 or 3), in place of the attribute;
+//                                             [0] or absent: the attribute's for every slot
+//  A segment may compose slots of different row types. The kernel runs one problem per row
+//  type the call's terms use, in turn, each after the first adding to y_out in place: the
+//  same sums in another order (float32 accumulation). A bad entry fails, naming it.
 // Attributes:
 //   layer (int) selects the row of ranks and scales (of every module).
 //   modules (int, optional, 1 to 3; default 1): the number of modules, and of outputs.
@@ -105,8 +113,8 @@ struct LoraSgmvOp : Ort::CustomOpBase<LoraSgmvOp, LoraSgmvKernel, true> {
   const char* GetName() const { return "LoraSGMV"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   // Inputs and output as lora_sgmv_inputs.h describes them, T = float32: every provider's 14,
-  // then modules 1 and 2's (all optional).
-  size_t GetInputTypeCount() const { return kNumLoraSgmvModulesInputs; }
+  // then modules 1 and 2's and row_types (all optional).
+  size_t GetInputTypeCount() const { return kNumLoraSgmvOpInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return LoraSgmvModulesInputType(index, kElementType);
   }

@@ -6,7 +6,7 @@ modules that read one x (attribute modules). `place_random_adapters` lays adapte
 out in one layer's pool share the way the engine does (offsets into key_cache ++ value_cache),
 for tests and benchmarks. Rows are float32 pool elements, or (adapter_dtype="bfloat16",
 "float16" or "int8") rows of those types in the float32 pool, laid out as
-ort_lora/adapter_rows.py says.
+ort_lora/adapter_rows.py says; a type per slot (row_types, slot_dtypes) mixes them in one pool.
 """
 
 from __future__ import annotations
@@ -26,6 +26,24 @@ def _check_adapter_dtype(adapter_dtype: str) -> None:
         raise ValueError(
             f"adapter_dtype must be one of {list(ADAPTER_DTYPES)}, got {adapter_dtype!r}"
         )
+
+
+def _slot_types(
+    row_types: list[str] | None, adapter_dtype: str, num_slots: int, what: str
+) -> list[str]:
+    """The row type of each slot: row_types[slot], or adapter_dtype for all when row_types is
+    None or empty (the op's row_types of shape [0])."""
+    _check_adapter_dtype(adapter_dtype)
+    if row_types is None or len(row_types) == 0:
+        return [adapter_dtype] * num_slots
+    if len(row_types) != num_slots:
+        raise ValueError(f"{what} must name one row type per slot ({num_slots}), got {row_types}")
+    for slot, row_type in enumerate(row_types):
+        if row_type not in ADAPTER_DTYPES:
+            raise ValueError(
+                f"{what}[{slot}] must be one of {list(ADAPTER_DTYPES)}, got {row_type!r}"
+            )
+    return list(row_types)
 
 
 def _pool_row(
@@ -65,6 +83,7 @@ def lora_sgmv(
     comp_slots: np.ndarray | None = None,  # int32 [E]
     comp_weights: np.ndarray | None = None,  # float [E]
     dora_offsets: np.ndarray | None = None,  # int64 [num_slots] or [0]
+    row_types: list[str] | None = None,  # [num_slots] row type names, or None / []
 ) -> np.ndarray:
     """y_out float32 [T, out]: y plus every segment's weighted LoRA deltas, then the DoRA scale
     of a DoRA segment's rows; computed in float64.
@@ -99,8 +118,12 @@ def lora_sgmv(
     adapter_dtype="int8" (attribute adapter_dtype = 3): element o is the row's float32 scale,
       then int8 values q from byte 4 (o + 1), value = scale * q; it spans 1 + ceil(len / 4)
       pool elements.
+    row_types (the op's input row_types, names for its TensorProto codes): row_types[slot]
+      is the type of that slot's A, B^T and D rows in place of adapter_dtype, so one segment
+      may compose slots of different types; None or [] (input absent or [0]): adapter_dtype
+      for every slot.
     """
-    _check_adapter_dtype(adapter_dtype)
+    types = _slot_types(row_types, adapter_dtype, len(a_offsets), "row_types")
     num_key = key_cache.size
     region = np.concatenate([key_cache.ravel(), value_cache.ravel()]).astype(np.float32)
     in_f, out_f = x.shape[1], y.shape[1]
@@ -109,9 +132,9 @@ def lora_sgmv(
     dora = dora if len(dora) else np.full(len(a_offsets), -1, np.int64)
     y_out = y.astype(np.float64)  # [T, out]
 
-    def row(offsets, features: int, what: str) -> np.ndarray:  # float64 [len(offsets), features]
+    def row(offsets, features: int, what: str, slot: int) -> np.ndarray:  # float64 [n, features]
         return np.stack(
-            [_pool_row(region, num_key, int(o), features, what, adapter_dtype) for o in offsets]
+            [_pool_row(region, num_key, int(o), features, what, types[slot]) for o in offsets]
         )
 
     for s, seg_terms in enumerate(terms):
@@ -128,12 +151,13 @@ def lora_sgmv(
             continue
         for slot, w in active:
             rank = int(ranks[layer, slot])
-            a = row(a_offsets[slot, :rank], in_f, "a_offset")  # [r, in]
-            bt = row(b_offsets[slot, :rank], out_f, "b_offset")  # [r, out]
+            a = row(a_offsets[slot, :rank], in_f, "a_offset", slot)  # [r, in]
+            bt = row(b_offsets[slot, :rank], out_f, "b_offset", slot)  # [r, out]
             shrunk = x[t0:t1].astype(np.float64) @ a.T  # [n, r]
             y_out[t0:t1] += float(w) * float(scales[layer, slot]) * (shrunk @ bt)  # [n, out]
         if dora_slots:
-            y_out[t0:t1] *= 1.0 + row([dora[dora_slots[0]]], out_f, "dora_offset")  # [n, out]
+            d = row([dora[dora_slots[0]]], out_f, "dora_offset", dora_slots[0])  # [1, out]
+            y_out[t0:t1] *= 1.0 + d
     return y_out.astype(np.float32)
 
 
@@ -162,16 +186,19 @@ def lora_sgmv_modules(
     comp_segs: np.ndarray | None = None,
     comp_slots: np.ndarray | None = None,
     comp_weights: np.ndarray | None = None,
+    row_types: list[str] | None = None,
 ) -> list[np.ndarray]:
     """[y_out_m float32 [T, out_m]]: a LoraSGMV node with attribute modules = len(modules).
 
     Semantics: output m is lora_sgmv of module m's y, a_offsets, b_offsets, ranks, scales and
     dora_offsets with the shared x, caches, segments and composition entries, the same layer
-    and row type. The modules read one x (q/k/v, gate/up); the node only shares the work.
+    and row types (adapter_dtype, or row_types per slot). The modules read one x (q/k/v,
+    gate/up); the node only shares the work.
     """
     shared = dict(x=x, key_cache=key_cache, value_cache=value_cache, seg_starts=seg_starts)
     shared |= dict(seg_slots=seg_slots, layer=layer, adapter_dtype=adapter_dtype)
     shared |= dict(comp_segs=comp_segs, comp_slots=comp_slots, comp_weights=comp_weights)
+    shared |= dict(row_types=row_types)
     return [
         lora_sgmv(m.y, a_offsets=m.a_offsets, b_offsets=m.b_offsets, ranks=m.ranks,
                   scales=m.scales, dora_offsets=m.dora_offsets, **shared)
@@ -238,6 +265,7 @@ def place_random_adapters(
     max_gap: int = 3,
     adapter_dtype: str = "float32",
     dora_slots: list[int] = (),
+    slot_dtypes: list[str] | None = None,
 ) -> PlacedAdapters:
     """Places slot s's A [slot_ranks[s], in] and B^T [slot_ranks[s], out] rows in a fresh pool,
     and for each slot in dora_slots one DoRA row D [out] (the op's m / ||W + sBA|| - 1).
@@ -256,20 +284,26 @@ def place_random_adapters(
     adapter_dtype="float16": as bfloat16, rounded to IEEE float16.
     adapter_dtype="int8": rows hold the values quantized per row (scale, then int8 values,
     the last element zero-padded).
+    slot_dtypes: one row type per slot, in place of adapter_dtype (None: adapter_dtype for
+    every slot): slot s's rows, its DoRA row too, are written as slot_dtypes[s] (what lora_sgmv's
+    row_types reads); with any slot not float32, every other pool element is NaN in both halves.
     """
-    _check_adapter_dtype(adapter_dtype)
+    types = _slot_types(slot_dtypes, adapter_dtype, len(slot_ranks), "slot_dtypes")
     if min(slot_ranks, default=0) < 0:
         raise ValueError(f"slot_ranks must be >= 0, got {slot_ranks}")
     rows = [(s, j, kind) for s, r in enumerate(slot_ranks) for j in range(r) for kind in "ab"]
     rows += [(s, 0, "d") for s in dora_slots]
     rows = [rows[i] for i in rng.permutation(len(rows))]
     features = {"a": in_features, "b": out_features, "d": out_features}
-    length = {kind: row_elems(n, adapter_dtype) for kind, n in features.items()}
+
+    def length(s: int, kind: str) -> int:  # pool elements of slot s's row of `kind`
+        return row_elems(features[kind], types[s])
+
     page_elems = int(np.prod(page_shape))
-    needed = sum(length[kind] + max_gap for _, _, kind in rows) + max(in_features, out_features)
+    needed = sum(length(s, kind) + max_gap for s, _, kind in rows) + max(in_features, out_features)
     num_pages = max(1, -(-needed // (2 * page_elems)) + 1)
     half = num_pages * page_elems
-    nan = np.float32(np.nan) if adapter_dtype == "float32" else _BF16_NAN_PAIR_F32
+    nan = np.float32(np.nan) if set(types) <= {"float32"} else _BF16_NAN_PAIR_F32
     region = _aligned_full(2 * half, nan)  # 64-byte aligned, as ORT allocates tensors
     max_rank = max(slot_ranks, default=0)
     offsets = {kind: np.full((len(slot_ranks), max_rank), -1, np.int64) for kind in "ab"}
@@ -277,16 +311,16 @@ def place_random_adapters(
     cursor = 0
     for s, j, kind in rows:
         cursor += int(rng.integers(0, max_gap + 1))
-        if cursor < half < cursor + length[kind]:
+        if cursor < half < cursor + length(s, kind):
             cursor = half  # the row would straddle K/V: start it at value_cache
         if kind == "d":
             values = rng.uniform(-0.5, 0.5, out_features)
         else:
             fan_in = in_features if kind == "a" else slot_ranks[s]
             values = rng.standard_normal(features[kind]) / np.sqrt(fan_in)
-        _write_row(region[cursor : cursor + length[kind]], values, adapter_dtype)
+        _write_row(region[cursor : cursor + length(s, kind)], values, types[s])
         offsets[kind][s, j] = cursor
-        cursor += length[kind]
+        cursor += length(s, kind)
     assert cursor <= region.size, "pool sized too small"
     shape = (num_pages, *page_shape)
     return PlacedAdapters(
