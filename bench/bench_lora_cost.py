@@ -4,6 +4,7 @@ the same 32 requests with no adapter, on each export, in alternating rounds.
 
     python bench/bench_lora_cost.py --out docs/bench/lora-cost/inprocess.json
     python bench/bench_lora_cost.py --exports int4 --rounds 8 --adapter-dtype int8
+    python bench/bench_lora_cost.py --saved float16  # the same adapters saved in float16
 
 `ort-lora bench --experiments quant` times each row in a process of its own, one after
 another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
@@ -15,8 +16,10 @@ taken tens of milliseconds apart.
 
 The exports and adapters are the benchmark's own (ort_lora/bench/assets.py: SmolLM2-135M from
 its GGUF, 16 seeded random rank-16 PEFT adapters of all seven modules), built once into
---cache-dir and shared with `ort-lora bench`. Prints a table, writes the rounds and medians
-(with the command, date, machine and load) as JSON and a plot beside it.
+--cache-dir and shared with `ort-lora bench`; --saved float16 or bfloat16 saves copies of them
+in that type, which the default export (adapter rows "auto") serves from 16-bit rows. Prints a
+table, writes the rounds and medians (with the command, date, machine and load) as JSON and a
+plot beside it.
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ort_lora.adapter_rows import ROW_TYPES
+from ort_lora.adapter_rows import AUTO, ROW_TYPES
 
 REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 EXPORTS = ("int4", "float32")
 
 
-def build(cache: Path, names: list[str], adapter_dtype: str) -> tuple[dict[str, Path], list]:
-    """The named exports of SmolLM2 and the 16 adapters, made once into `cache`."""
+def build(
+    cache: Path, names: list[str], adapter_dtype: str, saved: str = "float32"
+) -> tuple[dict[str, Path], list]:
+    """The named exports of SmolLM2 and the 16 adapters (saved in dtype `saved`), made once
+    into `cache`."""
     from ort_lora.bench import assets
 
     source = assets.ModelSource("smollm2")
@@ -49,7 +55,8 @@ def build(cache: Path, names: list[str], adapter_dtype: str) -> tuple[dict[str, 
         "float32": lambda: assets.ort_lora_model(hf, root, 16, adapter_dtype),
         "int4": lambda: assets.ort_lora_int4(source, hf, root, 16, adapter_dtype),
     }
-    return {n: made[n]() for n in names}, assets.random_adapters(hf, root, ADAPTERS, 16, 0)
+    adapters = assets.random_adapters(hf, root, ADAPTERS, 16, 0, saved=saved)
+    return {n: made[n]() for n in names}, adapters
 
 
 def engine(model: Path, adapters: list, threads: int):
@@ -116,7 +123,8 @@ def measure(pairs: dict, rounds: int) -> dict:
 def report(doc: dict) -> str:
     lines = [
         f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
-        f"adapter rows {doc['adapter_dtype']}): 16 adapters mixed / base, decode-heavy",
+        f"adapter rows {doc['adapter_dtype']}, adapters saved in {doc.get('saved', 'float32')}"
+        "): 16 adapters mixed / base, decode-heavy",
         f"{'export':<8} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
     ]
     for name, run in doc["exports"].items():
@@ -149,7 +157,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/lora_cost.json")
     p.add_argument("--cache-dir", default=".cache/bench")
     p.add_argument("--exports", default="int4,float32", help=f"comma-separated, of {EXPORTS}")
-    p.add_argument("--adapter-dtype", default="float32", choices=list(ROW_TYPES))
+    p.add_argument("--adapter-dtype", default=AUTO, choices=[AUTO, *ROW_TYPES])
+    p.add_argument(
+        "--saved",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="the dtype the adapters are saved in (auto rows: float16 or bfloat16 ones take "
+        "16-bit rows)",
+    )
     p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -164,7 +179,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_ops import share_one_pool
 
-    models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype)
+    models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, args.saved)
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     pairs = {}
     for n in names:  # two engines of each export: one serves the adapters, one the base
@@ -177,6 +192,7 @@ def main(argv=None) -> int:
         "isa": cpu_isa(),
         "threads": args.threads,
         "adapter_dtype": args.adapter_dtype,
+        "saved": args.saved,
         "loadavg_start": os.getloadavg(),
     }
     doc["exports"] = measure(pairs, args.rounds)

@@ -13,7 +13,10 @@ A row of n values at pool element o spans row_elems(n, row_type) pool elements:
                     (symmetric per row: LoRA rows are centred on zero)
 encode_rows gives the pool elements' bit patterns (uint32), decode_rows the values the kernel
 reads back, served both in turn: the values an adapter is served with (what PEFT must be given
-for an exact comparison, and what DoRA's weight norm uses). Pure numpy.
+for an exact comparison, and what DoRA's weight norm uses). An export with adapter_dtype "auto"
+gives each adapter its own row type, exact_row_type's: float16 or bfloat16 rows for an adapter
+whose every value that type holds exactly (one saved in it), float32 rows for the others. Pure
+numpy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ort_lora.bfloat16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 # row type -> the LoraSGMV attribute adapter_dtype (an ONNX TensorProto element type)
 ROW_TYPES = {"float32": 1, "bfloat16": 16, "float16": 10, "int8": 3}
 HALF_TYPES = ("bfloat16", "float16")  # 16-bit values, two per pool element
+AUTO = "auto"  # manifest.adapter_dtype: each adapter's rows of its exact_row_type
 INT8_MAX = 127
 
 
@@ -77,6 +81,19 @@ def decode_rows(elems: np.ndarray, features: int, row_type: str) -> np.ndarray:
     scale = elems[..., :1].view(np.float32)
     q = np.ascontiguousarray(elems[..., 1:]).view(np.int8)[..., :features]
     return scale * q.astype(np.float32)
+
+
+def exact_row_type(rows) -> str | None:
+    """The 16-bit row type that holds every value of the float32 arrays `rows` exactly:
+    "float16" (the finer one, tried first) or "bfloat16"; None when neither does (float32
+    rows)."""
+    rows = [np.asarray(r, np.float32) for r in rows]
+    with np.errstate(over="ignore"):  # past +-65504: inf, not exact
+        if all(np.array_equal(r.astype(np.float16), r) for r in rows):
+            return "float16"
+    if all(not (r.view(np.uint32) & 0xFFFF).any() and np.isfinite(r).all() for r in rows):
+        return "bfloat16"
+    return None
 
 
 def half_bits(values: np.ndarray, row_type: str) -> np.ndarray:

@@ -28,6 +28,10 @@ Graph inputs (T packed tokens, B sequences, S LoRA segments, E composition entri
   lora_{m}_ranks             int32 [num_layers, num_slots]
   lora_{m}_scales            float [num_layers, num_slots]
   lora_{m}_dora_offsets      int64 [num_slots]  pool element of the slot's DoRA row, -1 = none
+  lora_row_types             int32 [num_slots]  exports with adapter_dtype "auto": the type of
+                                            each slot's rows (1 float32, 16 bfloat16, 10
+                                            float16: LoraSGMV's input row_types); [0]: every
+                                            slot float32 (ModelSession's until a run gives it)
 The lora_comp_* and lora_{m}_dora_offsets inputs exist in exports whose manifest lists
 "composition" and "dora" in lora_features (AdapterRegistry.lora_step_inputs feeds them: E = 0
 and -1 for every slot when no request composes and no adapter is DoRA).
@@ -64,7 +68,11 @@ per pool element (the first in its low 16 bits), a row of n values occupying cei
 elements; int8 rows start with their float32 scale, then four int8 values per element (value =
 scale * q), 1 + ceil(n / 4) elements. Every LoraSGMV node then carries the attribute
 adapter_dtype = 16 (TensorProto.BFLOAT16), 10 (TensorProto.FLOAT16) or 3 (TensorProto.INT8).
-Offsets still count pool elements.
+Offsets still count pool elements. With manifest.adapter_dtype "auto" (the default of CPU
+float32 exports) each adapter's rows take the type that holds its values exactly
+(adapter_rows.exact_row_type: float16 or bfloat16 for an adapter saved in it, else float32),
+and every LoraSGMV node reads the slots' types from the graph input lora_row_types (its input
+row_types, after modules 1 and 2's: LORA_SGMV_ROW_TYPES) instead of an attribute.
 
 Quantized base weights (manifest.quantization, --weights int4|int8; CPU, float32 activations
 and pool): every linear module's MatMul is com.microsoft.MatMulNBits over blocks of
@@ -129,9 +137,10 @@ from pathlib import Path
 OPS_DOMAIN = "ort_lora"
 MANIFEST_NAME = "ort_lora_manifest.json"
 # The exporter's op set: raised when exports start using something new of the ops (0.2.0:
-# LoraSGMV nodes over several modules, QuantMatMul over 8-bit weights). Older exports keep
-# running; caches that export for speed (the default model, benchmark models) redo them.
-OPS_VERSION = "0.2.0"
+# LoraSGMV nodes over several modules, QuantMatMul over 8-bit weights; 0.3.0: LoraSGMV's
+# row_types, each adapter's rows of its own type). Older exports keep running; caches that
+# export for speed (the default model, benchmark models) redo them.
+OPS_VERSION = "0.3.0"
 MODEL_NAME = "model.onnx"
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,6 +158,7 @@ LORA_SEG_SLOTS = "lora_seg_slots"
 LORA_COMP_SEGS = "lora_comp_segs"
 LORA_COMP_SLOTS = "lora_comp_slots"
 LORA_COMP_WEIGHTS = "lora_comp_weights"
+LORA_ROW_TYPES = "lora_row_types"
 LOGITS = "logits"
 
 # What an export's LoraSGMV nodes take beyond one plain adapter per segment (manifest
@@ -176,6 +186,7 @@ def lora_input_name(module: str, kind: str) -> str:
 # then per further module m (attribute modules) its y and its LORA_INPUT_KINDS tables.
 LORA_SGMV_ONE_MODULE_INPUTS = 14
 LORA_SGMV_A_OFFSETS = 6  # module 0's a_offsets
+LORA_SGMV_ROW_TYPES = 26  # row_types: after modules 1 and 2's inputs (3 modules at most)
 
 
 def lora_sgmv_module_inputs(m: int) -> tuple[int, int]:
@@ -221,7 +232,8 @@ class ModelManifest:
     ops_version: str = OPS_VERSION  # the graph's op set as exported (OPS_VERSION)
     source: str = ""
     extra: dict = field(default_factory=dict)
-    # None: rows in the pool's dtype; "bfloat16", "float16" or "int8" rows in a float32 pool
+    # None: rows in the pool's dtype; "bfloat16", "float16" or "int8" rows in a float32 pool;
+    # "auto": each adapter's rows of the type that holds it exactly (float16, bfloat16, float32)
     adapter_dtype: str | None = None
     # fused checkpoint module -> the LORA_MODULES its output rows split into, in order
     fused_modules: dict[str, list[str]] = field(default_factory=dict)
@@ -235,13 +247,13 @@ class ModelManifest:
     quantization: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.adapter_dtype not in (None, "bfloat16", "float16", "int8") or (
+        if self.adapter_dtype not in (None, "auto", "bfloat16", "float16", "int8") or (
             self.adapter_dtype is not None and self.dtype != "float32"
         ):
             raise ValueError(
                 f"adapter_dtype {self.adapter_dtype!r} with dtype {self.dtype}: expected None "
-                "(adapter rows in the pool's dtype), or 'bfloat16', 'float16' or 'int8' with a "
-                "float32 pool"
+                "(adapter rows in the pool's dtype), or 'auto', 'bfloat16', 'float16' or 'int8' "
+                "with a float32 pool"
             )
         if self.quantization and (
             self.quantization.get("weights") not in ("int4", "int8")

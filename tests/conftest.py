@@ -88,13 +88,14 @@ def tiny_quant_export(tiny_llama_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_row_exports(tiny_llama_export, tiny_llama_checkpoint, tmp_path_factory) -> dict:
-    """The tiny export by the type of its adapter rows: float32, bfloat16 or float16 packed two
-    per element of the float32 pool (export --adapter-dtype bfloat16 / float16: half the bytes
-    per step), or int8 with a scale per row (--adapter-dtype int8: a quarter)."""
+    """The tiny export by the type of its adapter rows: auto (the default: each adapter's own,
+    float16 or bfloat16 for one saved in it, else float32), float32, bfloat16 or float16 packed
+    two per element of the float32 pool (export --adapter-dtype bfloat16 / float16: half the
+    bytes per step), or int8 with a scale per row (--adapter-dtype int8: a quarter)."""
     from ort_lora.export import export_model
 
-    out = {"float32": tiny_llama_export}
-    for row_type in ("bfloat16", "float16", "int8"):
+    out = {"auto": tiny_llama_export}
+    for row_type in ("float32", "bfloat16", "float16", "int8"):
         out[row_type] = export_model(
             tiny_llama_checkpoint,
             tmp_path_factory.mktemp(f"tiny_{row_type}") / "model",

@@ -71,7 +71,7 @@ def served_lora(model, row_type: str | None):
 
     from ort_lora.adapter_rows import served
 
-    if row_type in (None, "float32"):
+    if row_type in (None, "float32", "auto"):  # auto: float32 rows, or 16-bit ones holding them
         return model
     model = copy.deepcopy(model)
     with torch.no_grad():

@@ -9,6 +9,8 @@ the same request inside a mixed batch of 16, also when a tiny pool forces preemp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -136,7 +138,7 @@ def _lora(name, adapter_dirs):
     return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapter_dirs[name]))
 
 
-@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("adapter_dtype", ["auto", "float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize(
     "limits",
     [
@@ -151,13 +153,11 @@ def test_mixed_batch_matches_peft(
 ):
     """bfloat16, float16 and int8 rows are checked against PEFT whose LoRA weights are rounded
     the same way (adapter_rows.served; float32 arithmetic on both sides), to the same
-    tolerance."""
+    tolerance; auto (the default) serves these float32 adapters in float32 rows."""
     from peft_cases import assert_matches_peft, served_lora
 
     llm = LLM(tiny_row_exports[adapter_dtype], num_pages=256, **limits)
-    assert llm.engine.manifest.adapter_dtype == (
-        None if adapter_dtype == "float32" else adapter_dtype
-    )
+    assert llm.engine.manifest.adapter_dtype == {"float32": None}.get(adapter_dtype, adapter_dtype)
     models = {None: hf_model}
     models |= {
         n: served_lora(_peft_model(hf_model, adapter_dirs[n]), adapter_dtype) for n in ADAPTERS
@@ -169,25 +169,44 @@ def test_mixed_batch_matches_peft(
     assert (prefetched > 0) == bool(limits.get("prefetch_adapters"))
 
 
-def test_float16_rows_serve_float16_adapters_exactly(
-    tiny_row_exports, hf_model, adapter_dirs, requests, tmp_path
-):
-    """Adapters saved in float16 (as many are): float16 rows hold their values exactly, so the
-    engine matches PEFT on the files as they are, nothing rounded on either side."""
+def _saved_as(src: Path, dst: Path, dtype: str) -> Path:
+    """A copy of adapter directory src with its weights saved in dtype; bfloat16: its A rows
+    scaled by 2^-14 and B by 2^14 first (the same delta), so that some values of A lie where
+    float16 has too few bits for them."""
     import shutil
 
-    from peft_cases import assert_matches_peft, peft_models
-    from safetensors.numpy import load_file, save_file
+    import torch
+    from safetensors.torch import load_file, save_file
 
-    half_dirs = {}
-    for name, src in adapter_dirs.items():
-        half_dirs[name] = shutil.copytree(src, tmp_path / name)
-        weights = half_dirs[name] / "adapter_model.safetensors"
-        save_file({k: v.astype(np.float16) for k, v in load_file(weights).items()}, weights)
-    llm = LLM(tiny_row_exports["float16"], num_pages=256)
-    lora_requests = [_lora(n, half_dirs) for _, n in requests]
-    assert_matches_peft(llm, requests, lora_requests, peft_models(hf_model, half_dirs, ADAPTERS),
-                        MAX_NEW)  # fmt: skip
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    if dtype == "bfloat16":
+        tensors = {k: v * (2.0**-14 if "lora_A" in k else 2.0**14) for k, v in tensors.items()}
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}, weights)
+    return dst
+
+
+@pytest.mark.parametrize("export", ["float16", "auto"])
+def test_16bit_rows_serve_16bit_adapters_exactly(
+    tiny_row_exports, hf_model, adapter_dirs, requests, tmp_path, export
+):
+    """Adapters saved in float16 or bfloat16 (as many are): 16-bit rows hold their values
+    exactly, so the engine matches PEFT on the files as they are, nothing rounded on either
+    side. The float16 export with every adapter saved in float16; the default (auto) export
+    with one adapter saved in float16, one in bfloat16 and one in float32, served in one batch
+    from rows of those three types."""
+    from peft_cases import assert_matches_peft, peft_models
+
+    saved = dict.fromkeys(ADAPTERS, "float16")
+    if export == "auto":
+        saved = {"qv4": "float16", "all8": "bfloat16", "mlp16": "float32"}
+    dirs = {n: _saved_as(adapter_dirs[n], tmp_path / n, t) for n, t in saved.items()}
+    llm = LLM(tiny_row_exports[export], num_pages=256)
+    loras = [_lora(n, dirs) for _, n in requests]
+    assert_matches_peft(llm, requests, loras, peft_models(hf_model, dirs, ADAPTERS), MAX_NEW)
+    rows = {n: llm.engine.registry.row_type(n) for n in ADAPTERS}
+    assert rows == {n: None if t == "float32" else t for n, t in saved.items()}
 
 
 def test_adapters_change_the_output(tiny_llama_export, adapter_dirs):

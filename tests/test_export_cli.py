@@ -53,21 +53,26 @@ def test_verify_fails_against_other_weights(tiny_llama_checkpoint, tmp_path, mon
 
 def test_adapter_dtype_marks_every_lora_node(tiny_llama_checkpoint, tmp_path):
     """--adapter-dtype bfloat16 / float16 / int8: every LoraSGMV node says so
-    (TensorProto.BFLOAT16 = 16, FLOAT16 = 10, INT8 = 3) and the manifest records it; the
-    default export carries no such attribute."""
+    (TensorProto.BFLOAT16 = 16, FLOAT16 = 10, INT8 = 3) and the manifest records it. The
+    default export (auto) carries no such attribute: every node reads the graph input
+    lora_row_types as its input row_types; float32 has neither."""
     import onnx
 
-    from ort_lora.contract import ModelManifest
+    from ort_lora.contract import LORA_ROW_TYPES, LORA_SGMV_ROW_TYPES, ModelManifest
 
-    names = {16: "bfloat16", 10: "float16", 3: "int8", None: None}
-    for want, name in names.items():
-        flag = ["--adapter-dtype", name] if name else []
-        out = tmp_path / f"out{want}"
-        args = [str(tiny_llama_checkpoint), str(out), "--block-size", "8", "--quiet", *flag]
-        assert export_main(args) == 0
+    # flag -> (attribute, manifest adapter_dtype, whether the nodes read lora_row_types)
+    cases = {"bfloat16": (16, "bfloat16", False), "float16": (10, "float16", False),
+             "int8": (3, "int8", False), "float32": (None, None, False),
+             None: (None, "auto", True)}  # fmt: skip
+    for flag, (want, name, row_types) in cases.items():
+        out = tmp_path / f"out{flag}"
+        args = [str(tiny_llama_checkpoint), str(out), "--block-size", "8", "--quiet"]
+        assert export_main(args + (["--adapter-dtype", flag] if flag else [])) == 0
         model = onnx.load(str(out / "model.onnx"), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type == "LoraSGMV"]
         attrs = [{a.name: a.i for a in n.attribute}.get("adapter_dtype") for n in nodes]
         assert nodes and attrs == [want] * len(nodes)
-        manifest = ModelManifest.load(out)
-        assert manifest.adapter_dtype == name
+        reads = [list(n.input[LORA_SGMV_ROW_TYPES:]) == [LORA_ROW_TYPES] for n in nodes]
+        assert reads == [row_types] * len(nodes)
+        assert (LORA_ROW_TYPES in {i.name for i in model.graph.input}) == row_types
+        assert ModelManifest.load(out).adapter_dtype == name

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ort_lora.adapter_rows import AUTO
 from ort_lora.adapters.errors import AdapterError
 
 if TYPE_CHECKING:
@@ -45,7 +46,10 @@ _LARGEST = {  # the largest finite value of each storage type
 
 
 def storage_type(manifest: ModelManifest) -> str:
-    """How the adapter rows of this export are stored: float32, float16, bfloat16 or int8."""
+    """How the adapter rows of this export are stored: float32, float16, bfloat16 or int8
+    (adapter_dtype "auto": float32, narrower only where that holds an adapter exactly)."""
+    if manifest.adapter_dtype == AUTO:
+        return "float32"
     return manifest.adapter_dtype or manifest.dtype
 
 

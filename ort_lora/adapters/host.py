@@ -51,6 +51,7 @@ class HostAdapter:
     base_model: str | None = None  # what its config names as its base model
     _packings: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's cache
     _pool_rows: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's too
+    _row_type: dict = field(default_factory=dict, repr=False, compare=False)  # layout.py's too
 
     @property
     def nbytes(self) -> int:

@@ -7,10 +7,10 @@ Rows (max_rank_m rows of A, length in_m, and of B^T, length out_m, per module m,
 adapter's row D, length out_m, per module) are packed first-fit-decreasing into those halves,
 so no row straddles a half. The packing depends only on the adapter, page_elems and the row
 type; the page list just maps half i to page pages[i // 2], half i % 2. The row type
-(manifest.adapter_dtype) is None (rows in the pool's dtype, one value per element) or, in a
-float32 pool, "bfloat16" or "int8" (ort_lora/adapter_rows.py: a row of n values takes
-row_elems(n) elements). step_tables turns the slots' offsets, ranks and scales into
-a step's per-module graph inputs.
+(pool_row_type: manifest.adapter_dtype, or with "auto" the adapter's own) is None (rows in the
+pool's dtype, one value per element) or, in a float32 pool, "bfloat16", "float16" or "int8"
+(ort_lora/adapter_rows.py: a row of n values takes row_elems(n) elements). step_tables turns
+the slots' offsets, ranks, scales and row types into a step's LoRA graph inputs.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ort_lora.adapter_rows import encode_rows, row_elems
+from ort_lora.adapter_rows import AUTO, ROW_TYPES, encode_rows, exact_row_type, row_elems
 from ort_lora.adapters.compose import composition_entries
 from ort_lora.adapters.errors import AdapterError
-from ort_lora.contract import LORA_MODULES, lora_input_name
+from ort_lora.contract import LORA_MODULES, LORA_ROW_TYPES, lora_input_name
 
 if TYPE_CHECKING:
     from ort_lora.adapters.host import HostAdapter
@@ -43,6 +43,20 @@ class Packing:
     @property
     def num_pages(self) -> int:
         return (self.num_halves + 1) // 2
+
+
+def pool_row_type(adapter: HostAdapter, manifest: ModelManifest) -> str | None:
+    """The type of the adapter's rows in this export's pool: manifest.adapter_dtype or, with
+    "auto", the adapter's own (adapter_rows.exact_row_type of its A, B^T and DoRA rows: float16
+    or bfloat16 where that holds every value exactly, else None, float32 rows; cached on the
+    adapter, whose DoRA rows must be computed first)."""
+    if manifest.adapter_dtype != AUTO:
+        return manifest.adapter_dtype
+    cache = adapter._row_type
+    if not cache:
+        w = adapter.modules.values()
+        cache[AUTO] = exact_row_type(r for m in w for r in (m.a, m.bt, m.dora) if r is not None)
+    return cache[AUTO]
 
 
 def packing(adapter: HostAdapter, page_elems: int, row_type: str | None = None) -> Packing:
@@ -96,12 +110,13 @@ class SlotLayout:
     packing: Packing
     page_elems: int
     ranks_scales: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (int32 [L], float32 [L])
+    row_type: str | None  # pool_row_type's
 
     @classmethod
     def of(cls, adapter: HostAdapter, manifest: ModelManifest) -> SlotLayout:
-        pe = manifest.page_elems
+        pe, row_type = manifest.page_elems, pool_row_type(adapter, manifest)
         modules = {m: (w.ranks.copy(), w.scales.copy()) for m, w in adapter.modules.items()}
-        return cls(adapter.name, packing(adapter, pe, manifest.adapter_dtype), pe, modules)
+        return cls(adapter.name, packing(adapter, pe, row_type), pe, modules, row_type)
 
     @property
     def num_pages(self) -> int:
@@ -118,7 +133,8 @@ class SlotLayout:
             all(np.array_equal(x, y) for x, y in zip(rs, other.ranks_scales[m]))
             for m, rs in self.ranks_scales.items()
         )
-        return pk.num_halves == pk2.num_halves and pk.dora == pk2.dora and same_rows and same_rs
+        same_pages = pk.num_halves == pk2.num_halves and pk.dora == pk2.dora
+        return same_pages and same_rows and same_rs and self.row_type == other.row_type
 
     def part(self, pages, num_pages: int) -> dict[str, tuple]:
         """module -> (a_offsets int64 [max_rank_m], b_offsets int64 [max_rank_m], ranks int32
@@ -136,12 +152,15 @@ class SlotLayout:
         return out
 
 
-def step_tables(parts: dict[int, dict], manifest: ModelManifest) -> dict[str, np.ndarray]:
+def step_tables(
+    parts: dict[int, dict], manifest: ModelManifest, row_types: dict[int, str | None] | None = None
+) -> dict[str, np.ndarray]:
     """The per-module LoRA graph inputs of a step from each slot's part (slot -> module ->
     (a_offsets [R], b_offsets [R], ranks int32 [L], scales float32 [L], dora_offset)):
     lora_{m}_{a_offsets,b_offsets,ranks,scales} and, as the export has them,
-    lora_{m}_dora_offsets and the empty (E = 0) lora_comp_* inputs. Slots without a part and
-    modules a slot's adapter does not target get rank 0 (and dora_offset -1)."""
+    lora_{m}_dora_offsets, the empty (E = 0) lora_comp_* inputs and (adapter_dtype "auto")
+    lora_row_types from each slot's row type (row_types; None or absent: float32). Slots without
+    a part and modules a slot's adapter does not target get rank 0 (and dora_offset -1)."""
     num_slots = max(parts, default=0) + 1
     num_layers = manifest.num_layers
     out = {}
@@ -165,6 +184,10 @@ def step_tables(parts: dict[int, dict], manifest: ModelManifest) -> dict[str, np
             out[lora_input_name(m, "dora_offsets")] = dora
     if "composition" in manifest.lora_features:
         out |= composition_entries()
+    if manifest.adapter_dtype == AUTO:
+        types = row_types or {}
+        codes = [ROW_TYPES[types.get(s) or "float32"] for s in range(num_slots)]
+        out[LORA_ROW_TYPES] = np.array(codes, np.int32)
     return out
 
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ort_lora.adapter_rows import AUTO
 from ort_lora.adapters.base_weights import BaseWeights, ExportedWeights
 from ort_lora.adapters.bounds import storage_type
 from ort_lora.adapters.dora import dora_scale_rows
 from ort_lora.adapters.errors import AdapterError
 from ort_lora.adapters.host import WEIGHTS_NAME, HostAdapter, load_adapter
-from ort_lora.adapters.layout import prepare_rows
+from ort_lora.adapters.layout import pool_row_type, prepare_rows
 from ort_lora.adapters.names import check_name, resolve_adapter_dir, unresolvable
 from ort_lora.adapters.peft_config import CONFIG_NAME
 from ort_lora.contract import ModelManifest
@@ -61,7 +62,7 @@ class AdapterLoader:
                 adapter.modules[m].dora, adapter.modules[m].magnitude = d, None
         elif adapter.is_dora:
             self._dora_rows(adapter)
-        prepare_rows(adapter, self.manifest.adapter_dtype)
+        prepare_rows(adapter, pool_row_type(adapter, self.manifest))
         self.loads += 1
         return adapter
 
@@ -90,6 +91,6 @@ class AdapterLoader:
                 f"adapter {adapter.name!r} is a DoRA adapter (use_dora): its scale needs the "
                 "base weights, and this registry has none (no model directory, no base_weights)"
             )
-        dora_scale_rows(
-            adapter, self.base_weights, self.manifest.adapter_dtype, storage_type(self.manifest)
-        )
+        fixed = self.manifest.adapter_dtype  # "auto": rows float32 unless exact as they are
+        row_type = None if fixed == AUTO else fixed
+        dora_scale_rows(adapter, self.base_weights, row_type, storage_type(self.manifest))

@@ -33,7 +33,7 @@ from ort_lora.adapters.digest import adapter_digest
 from ort_lora.adapters.errors import AdapterError, AdapterNotFoundError, CompositionError
 from ort_lora.adapters.host import HostAdapter
 from ort_lora.adapters.host_cache import HostCache
-from ort_lora.adapters.layout import SlotLayout, write_to_pool
+from ort_lora.adapters.layout import SlotLayout, pool_row_type, write_to_pool
 from ort_lora.adapters.loader import AdapterLoader
 from ort_lora.adapters.names import NAME_RE, check_name, resolve_adapter_dir
 from ort_lora.adapters.step_inputs import StepInputs, StepSegments
@@ -227,6 +227,11 @@ class AdapterRegistry:
         """Pool pages the adapter occupies (known from registration, no reload)."""
         return self._layouts[self.request(name_or_id).lora_int_id].num_pages
 
+    def row_type(self, name_or_id: str | int) -> str | None:
+        """The type of the registered adapter's rows in the pool (layout.pool_row_type; None:
+        the pool's dtype)."""
+        return self._layouts[self.request(name_or_id).lora_int_id].row_type
+
     def digest(self, name_or_id: str | int) -> bytes:
         """The registered adapter's content digest (adapters/digest.py): what names its KV
         in the prefix cache."""
@@ -306,7 +311,7 @@ class AdapterRegistry:
         """Copy the adapter's rows of every layer into its pages of the pool array. adapter:
         its host form in hand (registration's), else from the host cache or disk."""
         adapter = adapter if adapter is not None else self.get(name_or_id)
-        write_to_pool(adapter, pages, pool, self.manifest.adapter_dtype)
+        write_to_pool(adapter, pages, pool, pool_row_type(adapter, self.manifest))
 
     def lora_step_inputs(
         self, slots: StepSlots, num_pages: int, segments: StepSegments | None = None

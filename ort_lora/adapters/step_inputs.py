@@ -44,7 +44,8 @@ class StepInputs:
             if len(set(slot_ids)) != len(slot_ids) or any(s < 0 for s in slot_ids):
                 raise ValueError(f"step slots must be distinct and >= 0, got {slot_ids}")
             parts = {s: self._part(a, pages, num_pages, layouts[a]) for s, a, pages in key[1]}
-            tables = step_tables(parts, self.manifest)
+            row_types = {s: layouts[a].row_type for s, a, _ in key[1]}
+            tables = step_tables(parts, self.manifest, row_types)
             for array in tables.values():  # kept for later steps, which may bind them as they are
                 array.setflags(write=False)
             self._last = (key, tables)

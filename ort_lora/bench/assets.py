@@ -128,10 +128,10 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = "float32") -> Path:
+def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = "auto") -> Path:
     """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU; adapter
-    rows float32 or bfloat16)."""
-    out = cache / ("ort_lora" if adapter_dtype == "float32" else f"ort_lora_{adapter_dtype}")
+    rows of export --adapter-dtype's types, auto by default)."""
+    out = cache / ("ort_lora" if adapter_dtype == "auto" else f"ort_lora_{adapter_dtype}")
     if not _exported(out):
         from ort_lora.export import export_model
 
@@ -147,21 +147,35 @@ def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = 
 
 
 def random_adapters(
-    hf: Path, cache: Path, count: int, rank: int, seed: int, dora: bool = False
+    hf: Path,
+    cache: Path,
+    count: int,
+    rank: int,
+    seed: int,
+    dora: bool = False,
+    saved: str = "float32",
 ) -> list[Path]:
     """`count` random PEFT adapters (rank `rank`, all seven linear modules), seeded by index.
     dora: DoRA adapters (use_dora) with the same A and B as the plain ones, and PEFT's
-    magnitude at init (||W||_row: the served scale m / ||W + s B A|| is not 1)."""
-    root = cache / (f"adapters_r{rank}_s{seed}" + ("_dora" if dora else ""))
+    magnitude at init (||W||_row: the served scale m / ||W + s B A|| is not 1). saved: the
+    dtype of their safetensors (float16 or bfloat16: the float32 values rounded to it)."""
+    name = f"adapters_r{rank}_s{seed}" + ("_dora" if dora else "")
+    root = cache / (name if saved == "float32" else f"{name}_{saved}")
     dirs = [root / f"a{i}" for i in range(count)]
     missing = [i for i, d in enumerate(dirs) if not (d / "adapter_config.json").is_file()]
     if missing:
-        _write_adapters(hf, [dirs[i] for i in missing], missing, rank, seed, dora)
+        _write_adapters(hf, [dirs[i] for i in missing], missing, rank, seed, dora, saved)
     return dirs
 
 
 def _write_adapters(
-    hf: Path, dirs: list[Path], indices: list[int], rank: int, seed: int, dora: bool = False
+    hf: Path,
+    dirs: list[Path],
+    indices: list[int],
+    rank: int,
+    seed: int,
+    dora: bool = False,
+    saved: str = "float32",
 ):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -180,6 +194,12 @@ def _write_adapters(
                     # B is zero at PEFT init; random B makes every adapter change the output
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         model.save_pretrained(d)
+        if saved != "float32":
+            from safetensors.torch import load_file, save_file
+
+            weights = d / "adapter_model.safetensors"
+            dtype = getattr(torch, saved)
+            save_file({k: v.to(dtype) for k, v in load_file(weights).items()}, weights)
 
 
 def many_adapters(sources: list[Path], cache: Path, count: int) -> list[Path]:
@@ -226,14 +246,14 @@ def ort_lora_int4(
     hf: Path,
     cache: Path,
     block_size: int,
-    adapter_dtype: str = "float32",
+    adapter_dtype: str = "auto",
     int4_op: str = "QuantMatMul",
 ) -> Path:
     """ort-lora's int4 export (all seven LoRA targets; adapter rows of any row type):
     SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
     model), other models from the HF checkpoint (round-to-nearest). int4_op: the op of its
     4-bit linears (QuantMatMul, the default model's, or ONNX Runtime's MatMulNBits)."""
-    suffix = "" if adapter_dtype == "float32" else f"_{adapter_dtype}"
+    suffix = "" if adapter_dtype == "auto" else f"_{adapter_dtype}"
     suffix += "" if int4_op == "QuantMatMul" else f"_{int4_op.lower()}"
     out = cache / f"ort_lora_int4{suffix}"
     if not _exported(out):

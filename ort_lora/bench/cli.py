@@ -77,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the generated adapters")
     p.add_argument(
         "--adapter-dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype; auto: the "
+        "benchmark's float32 adapters in float32 rows)",
     )
     p.add_argument(
         "--no-peer-install",

@@ -51,10 +51,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adapter-dtype",
         default=None,
-        choices=("float32", "float16", "bfloat16", "int8"),
-        help="adapter rows in the pool: the model dtype (default) or, on cpu, bfloat16 or "
-        "float16 (half the adapter bytes per step; exact for adapters saved in that type) or "
-        "int8 (a quarter: one float32 scale per row); float32 accumulation",
+        choices=("auto", "float32", "float16", "bfloat16", "int8"),
+        help="adapter rows in the pool: on cpu auto (the default: each adapter's rows float16 "
+        "or bfloat16 when it was saved in that type, half the bytes per step and exact, else "
+        "float32), float32, bfloat16 or float16 (every adapter rounded to it) or int8 (a "
+        "quarter of the bytes: one float32 scale per row); on cuda the model dtype; float32 "
+        "accumulation",
     )
     p.add_argument(
         "--block-size",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 
 from ort_lora import contract as C
-from ort_lora.adapter_rows import ROW_TYPES
+from ort_lora.adapter_rows import AUTO, ROW_TYPES
 from ort_lora.export.arch import ArchConfig
 from ort_lora.export.errors import ExportError
 from ort_lora.export.graph import GraphBuilder, to_numpy
@@ -68,9 +68,11 @@ class DecoderBuilder:
         self.cfg, self.src, self.g = cfg, source, graph
         self.dtype, self.device, self.targets = dtype, device, lora_targets
         self.block_size, self.progress = block_size, progress
-        # LoraSGMV attribute: bfloat16 rows in the float32 pool (absent: the pool's dtype)
+        # LoraSGMV attribute: 16-bit or int8 rows in the float32 pool (absent: the pool's
+        # dtype); "auto": no attribute, each slot's type from the input lora_row_types
+        self.row_types = adapter_dtype == AUTO
         self.lora_attrs = {}
-        if adapter_dtype is not None:
+        if adapter_dtype is not None and not self.row_types:
             self.lora_attrs["adapter_dtype"] = ROW_TYPES[adapter_dtype]
         self.quantizer = None if quant is None else Quantizer(quant, source, self.read)
         self.qgraph = None
@@ -138,6 +140,8 @@ class DecoderBuilder:
             g.input(C.lora_input_name(m, "ranks"), "int32", [cfg.num_layers, "num_slots"])
             g.input(C.lora_input_name(m, "scales"), "float32", [cfg.num_layers, "num_slots"])
             g.input(C.lora_input_name(m, "dora_offsets"), "int64", ["num_dora_slots"])
+        if self.row_types:
+            g.input(C.LORA_ROW_TYPES, "int32", ["num_slots"])
 
     # ---- building blocks --------------------------------------------------------------------
     def linear(self, layer: int, x: str, prefix: str, module: str) -> str:
@@ -207,6 +211,8 @@ class DecoderBuilder:
         inputs += [self.lora_tables(modules[0])[4]]
         for y, m in zip(ys[1:], modules[1:]):  # modules 1.. (attribute modules)
             inputs += [y, *self.lora_tables(m)]
+        if self.row_types:  # after the absent further modules' inputs
+            inputs += [""] * (C.LORA_SGMV_ROW_TYPES - len(inputs)) + [C.LORA_ROW_TYPES]
         attrs = dict(self.lora_attrs, modules=len(modules)) if len(modules) > 1 else self.lora_attrs
         return self.g.node(
             "LoraSGMV",

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ort_lora import contract as C
-from ort_lora.adapter_rows import row_elems
+from ort_lora.adapter_rows import AUTO, row_elems
 from ort_lora.export.arch import ArchConfig, arch_config
 from ort_lora.export.assets import make_manifest, write_generation_config, write_tokenizer
 from ort_lora.export.decoder import MSFT, expected_tensor_count
@@ -54,10 +54,12 @@ def export_model(
     lora_targets: iterable of module names (default: all seven linear modules).
     dtype: float32 (device cpu) or float16 / bfloat16 (device cuda).
     block_size: KV block size; None: default_block_size(device, head_dim).
-    adapter_dtype: how adapter rows sit in the pool: None (the pool's dtype) or, on cpu, "int8"
-        (a float32 scale per row, a quarter of the bytes LoraSGMV reads per step), "bfloat16"
-        or "float16" (half the bytes; exact for adapters saved in that type); float32
-        accumulation.
+    adapter_dtype: how adapter rows sit in the pool: None (the default: "auto" for a float32
+        export on cpu, else the pool's dtype), "auto" (each adapter's rows float16 or bfloat16
+        where that type holds its values exactly, i.e. it was saved in it, else float32), the
+        pool's dtype, or on cpu "int8" (a float32 scale per row, a quarter of the bytes
+        LoraSGMV reads per step), "bfloat16" or "float16" (half the bytes; every adapter rounded
+        to it); float32 accumulation.
     weights: None or the float dtype (weights in `dtype`), or "int4" / "int8" (cpu): base
         weights as MatMulNBits blocks of `quant_block_size` values (quantizer.py); adapters
         and activations stay float32.
@@ -216,13 +218,16 @@ def _check_device_dtype(device: str, dtype: str) -> None:
 
 
 def _check_adapter_dtype(device: str, dtype: str, adapter_dtype: str | None) -> str | None:
-    """None (rows in the pool's dtype) or, on cpu, "bfloat16", "float16" or "int8" rows in the
-    float32 pool."""
-    if adapter_dtype is None or adapter_dtype == dtype:
+    """The manifest's: None (rows in the pool's dtype) or, on cpu, "auto" (the default), or
+    "bfloat16", "float16" or "int8" rows in the float32 pool."""
+    cpu = device == "cpu"
+    if adapter_dtype is None:
+        return AUTO if cpu else None
+    if adapter_dtype == dtype:
         return None
-    if device == "cpu" and adapter_dtype in ("bfloat16", "float16", "int8"):
+    if cpu and adapter_dtype in (AUTO, "bfloat16", "float16", "int8"):
         return adapter_dtype
-    allowed = "float32, bfloat16, float16 or int8" if device == "cpu" else dtype
+    allowed = "auto, float32, bfloat16, float16 or int8" if cpu else dtype
     raise ExportError(
         f"adapter dtype {adapter_dtype!r} is not supported on device {device} with dtype "
         f"{dtype}; use {allowed}"
@@ -293,7 +298,7 @@ def _check_page_fits_rows(
     page = block_size * cfg.num_kv_heads * cfg.head_dim
     sizes = cfg.module_sizes()
     widest = max((max(sizes[m]["in"], sizes[m]["out"]) for m in targets), default=0)
-    widest = row_elems(widest, adapter_dtype)  # pool elements of the widest row
+    widest = row_elems(widest, adapter_dtype)  # pool elements of the widest row (auto: float32)
     if widest > page:
         need = -(-widest // (cfg.num_kv_heads * cfg.head_dim))
         raise ExportError(

@@ -98,6 +98,10 @@ class ModelSession:
         # inputs), and binding them again took 1-2 % of a one-request decode step.
         self._bound: dict[str, np.ndarray] = {}
         self._bind_pool()
+        if C.LORA_ROW_TYPES in self._input_names:  # until a run gives them: [0], every slot's
+            self._bound[C.LORA_ROW_TYPES] = np.zeros(0, np.int32)  # rows float32
+            self._bound[C.LORA_ROW_TYPES].setflags(write=False)
+            self.binding.bind_cpu_input(C.LORA_ROW_TYPES, self._bound[C.LORA_ROW_TYPES])
 
     def _bind_pool(self) -> None:
         import onnxruntime as ort
