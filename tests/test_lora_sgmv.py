@@ -50,14 +50,8 @@ OPTIONAL_INPUTS = [  # composition entries [E] and DoRA rows [num_slots]
     ("comp_weights", TensorProto.FLOAT, 1),
     ("dora_offsets", TensorProto.INT64, 1),
 ]
-MODULE_INPUTS = [  # a further module's y and tables (attribute modules), each named <name>_m
-    ("y", TensorProto.FLOAT, 2),
-    ("a_offsets", TensorProto.INT64, 2),
-    ("b_offsets", TensorProto.INT64, 2),
-    ("ranks", TensorProto.INT32, 2),
-    ("scales", TensorProto.FLOAT, 2),
-    ("dora_offsets", TensorProto.INT64, 1),
-]
+# a further module's y, tables and DoRA rows (attribute modules), each named <name>_m
+MODULE_INPUTS = [INPUTS[0], *INPUTS[6:], OPTIONAL_INPUTS[-1]]
 NUM_MODULE_INPUTS = 2 * len(MODULE_INPUTS)  # inputs 14..25: modules 1 and 2's
 ROW_TYPES = ("row_types", TensorProto.INT32, 1)  # input 26: int32 [num_slots] or [0]
 # Adapter-row dtype -> kernel (float32 accumulation) vs float64 reference on the same row values.
