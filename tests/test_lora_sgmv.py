@@ -201,6 +201,15 @@ def test_mixed_ranks_in_one_call(dtype, rng):
     check(make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, 576, 1536), dtype)
 
 
+@each_dtype
+def test_decode_segments_of_one_and_two_rows(dtype, rng):
+    """Decode's segments (one or two rows) over ranks that take the shrink's groups of 8 rows
+    of A with every remainder (a group of 4, single rows) and ranks under 8."""
+    slot_ranks = [16, 13, 9, 7, 8, 12, 3, 1]
+    seg_lens, seg_slots = [2, 1, 2, 1, 2, 2, 1, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, -1]
+    check(make_case(rng, dtype, seg_lens, seg_slots, slot_ranks, 576, 1536), dtype)
+
+
 def _zipf_layout(rng, num_rows, num_slots):
     """Skewed adapter popularity: rows per slot ~ Zipf, segments ordered by slot."""
     weights = 1.0 / np.arange(1, num_slots + 1) ** 1.2
