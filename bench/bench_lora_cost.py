@@ -5,6 +5,7 @@ the same 32 requests with no adapter, on each export, in alternating rounds.
     python bench/bench_lora_cost.py --out docs/bench/lora-cost/inprocess.json
     python bench/bench_lora_cost.py --exports int4 --rounds 8 --adapter-dtype int8
     python bench/bench_lora_cost.py --saved float16  # the same adapters saved in float16
+    python bench/bench_lora_cost.py --saved float32,float16  # both sets, in the same rounds
 
 `ort-lora bench --experiments quant` times each row in a process of its own, one after
 another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
@@ -17,9 +18,11 @@ taken tens of milliseconds apart.
 The exports and adapters are the benchmark's own (ort_lora/bench/assets.py: SmolLM2-135M from
 its GGUF, 16 seeded random rank-16 PEFT adapters of all seven modules), built once into
 --cache-dir and shared with `ort-lora bench`; --saved float16 or bfloat16 saves copies of them
-in that type, which the default export (adapter rows "auto") serves from 16-bit rows. Prints a
-table, writes the rounds and medians (with the command, date, machine and load) as JSON and a
-plot beside it.
+in that type, which the default export (adapter rows "auto") serves from 16-bit rows. With
+several --saved types each export has a mixed engine per type beside its one base engine, and
+every round serves them all in turn, so their ratios share the rounds. Prints a table, writes
+the rounds and medians (with the command, date, machine and load) as JSON and a plot beside
+it.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from ort_lora.adapter_rows import AUTO, ROW_TYPES
 REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 EXPORTS = ("int4", "float32")
+SAVED = ("float32", "float16", "bfloat16")  # the dtypes --saved can save the adapters in
 
 
 def build(
-    cache: Path, names: list[str], adapter_dtype: str, saved: str = "float32"
-) -> tuple[dict[str, Path], list]:
-    """The named exports of SmolLM2 and the 16 adapters (saved in dtype `saved`), made once
-    into `cache`."""
+    cache: Path, names: list[str], adapter_dtype: str, saved: list[str]
+) -> tuple[dict[str, Path], dict[str, list]]:
+    """The named exports of SmolLM2 and the 16 adapters saved in each dtype of `saved`
+    (dtype -> their directories), made once into `cache`."""
     from ort_lora.bench import assets
 
     source = assets.ModelSource("smollm2")
@@ -55,7 +59,7 @@ def build(
         "float32": lambda: assets.ort_lora_model(hf, root, 16, adapter_dtype),
         "int4": lambda: assets.ort_lora_int4(source, hf, root, 16, adapter_dtype),
     }
-    adapters = assets.random_adapters(hf, root, ADAPTERS, 16, 0, saved=saved)
+    adapters = {s: assets.random_adapters(hf, root, ADAPTERS, 16, 0, saved=s) for s in saved}
     return {n: made[n]() for n in names}, adapters
 
 
@@ -125,12 +129,12 @@ def report(doc: dict) -> str:
         f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
         f"adapter rows {doc['adapter_dtype']}, adapters saved in {doc.get('saved', 'float32')}"
         "): 16 adapters mixed / base, decode-heavy",
-        f"{'export':<8} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
+        f"{'export':<22} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
     ]
     for name, run in doc["exports"].items():
         ratios = " ".join(f"{x:.3f}" for x in run["ratio"])
         tok = f"{statistics.median(run['mixed']):.0f}, {statistics.median(run['base']):.0f}"
-        lines.append(f"{name:<8} {run['median_ratio']:>7.3f}  {ratios:<36} {tok}")
+        lines.append(f"{name:<22} {run['median_ratio']:>7.3f}  {ratios:<36} {tok}")
     return "\n".join(lines)
 
 
@@ -161,9 +165,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--saved",
         default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="the dtype the adapters are saved in (auto rows: float16 or bfloat16 ones take "
-        "16-bit rows)",
+        help=f"comma-separated, of {SAVED}: the dtypes the adapters are saved in (auto rows: "
+        "float16 or bfloat16 ones take 16-bit rows)",
     )
     p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
     p.add_argument("--threads", type=int, default=2)
@@ -171,6 +174,9 @@ def main(argv=None) -> int:
     names = args.exports.split(",")
     if set(names) - set(EXPORTS):
         p.error(f"--exports: one or more of {list(EXPORTS)}, got {args.exports!r}")
+    saved = args.saved.split(",")
+    if set(saved) - set(SAVED) or len(set(saved)) < len(saved):
+        p.error(f"--saved: distinct dtypes of {list(SAVED)}, got {args.saved!r}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
 
@@ -179,12 +185,14 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_ops import share_one_pool
 
-    models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, args.saved)
+    models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, saved)
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     pairs = {}
-    for n in names:  # two engines of each export: one serves the adapters, one the base
-        mixed, loras = engine(models[n], adapters, args.threads)
-        pairs[n] = (mixed, engine(models[n], [], args.threads)[0], loras)
+    for n in names:  # engines of each export: one per adapter set, and one for the base
+        base = engine(models[n], [], args.threads)[0]
+        for s in saved:
+            mixed, loras = engine(models[n], adapters[s], args.threads)
+            pairs[n if len(saved) == 1 else f"{n}, saved {s}"] = (mixed, base, loras)
     doc = {
         "command": "python bench/bench_lora_cost.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

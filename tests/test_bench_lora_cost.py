@@ -85,7 +85,13 @@ def test_rounds_and_ratios(bench, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "argv, says", [(["--exports", "fp8"], "--exports"), (["--rounds", "0"], "--rounds")]
+    "argv, says",
+    [
+        (["--exports", "fp8"], "--exports"),
+        (["--rounds", "0"], "--rounds"),
+        (["--saved", "float8"], "--saved"),
+        (["--saved", "float16,float16"], "--saved"),
+    ],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
     with pytest.raises(SystemExit) as exit_info:
