@@ -272,12 +272,8 @@ ORT_LORA_INLINE void ShrinkGroup(const float* x, int64_t n, int64_t ldx, const v
   if constexpr (NR <= 4)  // 4 x 8 accumulators would not fit in registers
     for (; t + 4 <= n; t += 4)
       ShrinkTile<V, R, 4, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
-  for (; t + 4 <= n; t += 2)
+  for (; t + 2 <= n; t += 2)  // 2 rows share each load (and widening) of A
     ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
-  if (t + 2 <= n) {  // 2 rows share each load (and widening) of A
-    ShrinkTile<V, R, 2, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
-    t += 2;
-  }
   if (t < n) ShrinkTile<V, R, 1, NR>(x + t * ldx, ldx, a, bt, k0, k1, scales, v + t * ldv, ldv);
 }
 

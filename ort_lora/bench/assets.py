@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ort_lora.adapter_rows import AUTO
 from ort_lora.contract import current_manifest
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,10 +129,10 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = "auto") -> Path:
+def ort_lora_model(hf: Path, cache: Path, block_size: int, adapter_dtype: str = AUTO) -> Path:
     """The ort-lora export of the HF checkpoint (all seven LoRA targets, float32 CPU; adapter
     rows of export --adapter-dtype's types, auto by default)."""
-    out = cache / ("ort_lora" if adapter_dtype == "auto" else f"ort_lora_{adapter_dtype}")
+    out = cache / ("ort_lora" if adapter_dtype == AUTO else f"ort_lora_{adapter_dtype}")
     if not _exported(out):
         from ort_lora.export import export_model
 
@@ -246,14 +247,14 @@ def ort_lora_int4(
     hf: Path,
     cache: Path,
     block_size: int,
-    adapter_dtype: str = "auto",
+    adapter_dtype: str = AUTO,
     int4_op: str = "QuantMatMul",
 ) -> Path:
     """ort-lora's int4 export (all seven LoRA targets; adapter rows of any row type):
     SmolLM2 from its GGUF file (the Q4_1 blocks carried over, as `ort-lora serve`'s default
     model), other models from the HF checkpoint (round-to-nearest). int4_op: the op of its
     4-bit linears (QuantMatMul, the default model's, or ONNX Runtime's MatMulNBits)."""
-    suffix = "" if adapter_dtype == "auto" else f"_{adapter_dtype}"
+    suffix = "" if adapter_dtype == AUTO else f"_{adapter_dtype}"
     suffix += "" if int4_op == "QuantMatMul" else f"_{int4_op.lower()}"
     out = cache / f"ort_lora_int4{suffix}"
     if not _exported(out):

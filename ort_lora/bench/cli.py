@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from ort_lora.adapter_rows import AUTO, ROW_TYPES
 from ort_lora.bench import (
     assets,
     cluster,
@@ -77,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the generated adapters")
     p.add_argument(
         "--adapter-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        default=AUTO,
+        choices=[AUTO, *ROW_TYPES],
         help="how ort-lora keeps adapter rows in its pool (export --adapter-dtype; auto: the "
         "benchmark's float32 adapters in float32 rows)",
     )

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from ort_lora.adapter_rows import AUTO, ROW_TYPES
 from ort_lora.contract import LORA_MODULES, MANIFEST_NAME
 from ort_lora.export.errors import ExportError
 
@@ -51,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adapter-dtype",
         default=None,
-        choices=("auto", "float32", "float16", "bfloat16", "int8"),
+        choices=(AUTO, *ROW_TYPES),
         help="adapter rows in the pool: on cpu auto (the default: each adapter's rows float16 "
         "or bfloat16 when it was saved in that type, half the bytes per step and exact, else "
         "float32), float32, bfloat16 or float16 (every adapter rounded to it) or int8 (a "
