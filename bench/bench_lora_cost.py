@@ -6,6 +6,7 @@ the same 32 requests with no adapter, on each export, in alternating rounds.
     python bench/bench_lora_cost.py --exports int4 --rounds 8 --adapter-dtype int8
     python bench/bench_lora_cost.py --saved float16  # the same adapters saved in float16
     python bench/bench_lora_cost.py --saved float32,float16  # both sets, in the same rounds
+    python bench/bench_lora_cost.py --against-library OLD.so  # a kernel change, in turn
 
 `ort-lora bench --experiments quant` times each row in a process of its own, one after
 another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
@@ -20,7 +21,9 @@ its GGUF, 16 seeded random rank-16 PEFT adapters of all seven modules), built on
 --cache-dir and shared with `ort-lora bench`; --saved float16 or bfloat16 saves copies of them
 in that type, which the default export (adapter rows "auto") serves from 16-bit rows. With
 several --saved types each export has a mixed engine per type beside its one base engine, and
-every round serves them all in turn, so their ratios share the rounds. Prints a table, writes
+every round serves them all in turn, so their ratios share the rounds. With --against-library
+each mixed engine has a twin on another build of the op library, served in the same rounds (a
+kernel change timed in the engine, in turn with the build it changes). Prints a table, writes
 the rounds and medians (with the command, date, machine and load) as JSON and a plot beside
 it.
 """
@@ -63,14 +66,24 @@ def build(
     return {n: made[n]() for n in names}, adapters
 
 
-def engine(model: Path, adapters: list, threads: int):
-    """An LLMEngine on `model` with every adapter registered (rows copied into the pool)."""
+def engine(model: Path, adapters: list, threads: int, library: str | None = None):
+    """An LLMEngine on `model` with every adapter registered (rows copied into the pool), its
+    ops from `library` (default: this build's)."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
     from ort_lora.lora_request import LoRARequest
 
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=True)
-    eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)
+    previous = os.environ.get("ORT_LORA_LIBRARY")
+    if library:  # read once, when the engine's session is made
+        os.environ["ORT_LORA_LIBRARY"] = library
+    try:
+        eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)
+    finally:
+        if library:
+            os.environ.pop("ORT_LORA_LIBRARY")
+            if previous is not None:
+                os.environ["ORT_LORA_LIBRARY"] = previous
     loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     for lora in loras:
         eng.add_lora(lora)
@@ -91,36 +104,38 @@ def submit(eng, loras: list | None, tag: str) -> None:
         eng.add_request(f"{tag}-{i}", list(r.prompt_ids), params, lora)
 
 
-def serve_in_turn(mixed, base, loras: list, tag: str) -> tuple[float, float]:
-    """Output tok/s of the 32 requests over 16 adapters on engine `mixed` and without adapters
-    on engine `base` (the same export), their steps taken in turn: each rate counts only its
-    own engine's steps, and a change in the machine's speed falls on both alike."""
-    submit(mixed, loras, f"{tag}-m")
-    submit(base, None, f"{tag}-b")
-    spent = {id(mixed): 0.0, id(base): 0.0}
-    while mixed.has_unfinished_requests() or base.has_unfinished_requests():
-        for eng in (mixed, base):
+def serve_in_turn(engines: dict, loras: list, tag: str) -> dict[str, float]:
+    """Output tok/s of the 32 requests on each engine of `engines` (role -> engine: "base"
+    serves them without adapters, the others over the 16 adapters; one export), their steps
+    taken in turn: each rate counts only its own engine's steps, and a change in the
+    machine's speed falls on all alike."""
+    for role, eng in engines.items():
+        submit(eng, None if role == "base" else loras, f"{tag}-{role}")
+    spent = dict.fromkeys(engines, 0.0)
+    while any(eng.has_unfinished_requests() for eng in engines.values()):
+        for role, eng in engines.items():
             if eng.has_unfinished_requests():
                 start = time.perf_counter()
                 eng.step()
-                spent[id(eng)] += time.perf_counter() - start
-    tokens = REQUESTS * NEW_TOKENS
-    return tokens / spent[id(mixed)], tokens / spent[id(base)]
+                spent[role] += time.perf_counter() - start
+    return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
 
 
-def measure(pairs: dict, rounds: int) -> dict:
-    """Per export: tok/s of each round, mixed and base, and their ratio."""
-    runs = {n: {"mixed": [], "base": []} for n in pairs}
-    for name, (mixed, base, loras) in pairs.items():  # warm-up: every adapter's rows
-        serve_in_turn(mixed, base, loras, f"warm-{name}")
+def measure(sets: dict, rounds: int) -> dict:
+    """Per adapter set of an export: tok/s of each round for each engine (mixed, base and,
+    with another library, other) and the ratios to base."""
+    runs = {n: {role: [] for role in engines} for n, (engines, _) in sets.items()}
+    for name, (engines, loras) in sets.items():  # warm-up: every adapter's rows
+        serve_in_turn(engines, loras, f"warm-{name}")
     for r in tqdm(range(rounds), desc="rounds", unit="round"):
-        for name, (mixed, base, loras) in pairs.items():
-            m, b = serve_in_turn(mixed, base, loras, f"{name}-{r}")
-            runs[name]["mixed"].append(m)
-            runs[name]["base"].append(b)
+        for name, (engines, loras) in sets.items():
+            for role, rate in serve_in_turn(engines, loras, f"{name}-{r}").items():
+                runs[name][role].append(rate)
     for run in runs.values():
-        run["ratio"] = [m / b for m, b in zip(run["mixed"], run["base"])]
-        run["median_ratio"] = statistics.median(run["ratio"])
+        for role, key in (("mixed", "ratio"), ("other", "other_ratio")):
+            if role in run:
+                run[key] = [m / b for m, b in zip(run[role], run["base"])]
+                run[f"median_{key}"] = statistics.median(run[key])
     return runs
 
 
@@ -135,6 +150,9 @@ def report(doc: dict) -> str:
         ratios = " ".join(f"{x:.3f}" for x in run["ratio"])
         tok = f"{statistics.median(run['mixed']):.0f}, {statistics.median(run['base']):.0f}"
         lines.append(f"{name:<22} {run['median_ratio']:>7.3f}  {ratios:<36} {tok}")
+        if "other" in run:
+            ratios = " ".join(f"{x:.3f}" for x in run["other_ratio"])
+            lines.append(f"{'  other library':<22} {run['median_other_ratio']:>7.3f}  {ratios}")
     return "\n".join(lines)
 
 
@@ -147,7 +165,12 @@ def plot(doc: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, run in doc["exports"].items():
         rounds = range(1, len(run["ratio"]) + 1)
-        ax.plot(rounds, run["ratio"], "o-", label=f"{name} (median {run['median_ratio']:.2f})")
+        (line,) = ax.plot(
+            rounds, run["ratio"], "o-", label=f"{name} (median {run['median_ratio']:.2f})"
+        )
+        if "other_ratio" in run:
+            label = f"{name}, other library (median {run['median_other_ratio']:.2f})"
+            ax.plot(rounds, run["other_ratio"], "x--", color=line.get_color(), label=label)
     ax.axhline(0.92, color="gray", linestyle="--", label="goal 0.92")
     ax.set(xlabel="round", ylabel="16 adapters mixed / base", ylim=(0, 1.05))
     ax.set_title(f"LoRA cost per round, one process ({doc['isa']})", fontsize=10)
@@ -170,6 +193,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--against-library",
+        metavar="SO",
+        help="another build of the op library: each mixed engine gets a twin on it, in turn",
+    )
     args = p.parse_args(argv)
     names = args.exports.split(",")
     if set(names) - set(EXPORTS):
@@ -179,6 +207,8 @@ def main(argv=None) -> int:
         p.error(f"--saved: distinct dtypes of {list(SAVED)}, got {args.saved!r}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.against_library and not Path(args.against_library).is_file():
+        p.error(f"--against-library: no such file {args.against_library!r}")
 
     from ort_lora.bench.cli import cpu_isa, cpu_name
 
@@ -187,12 +217,17 @@ def main(argv=None) -> int:
 
     models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, saved)
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
-    pairs = {}
+    sets = {}
     for n in names:  # engines of each export: one per adapter set, and one for the base
         base = engine(models[n], [], args.threads)[0]
         for s in saved:
             mixed, loras = engine(models[n], adapters[s], args.threads)
-            pairs[n if len(saved) == 1 else f"{n}, saved {s}"] = (mixed, base, loras)
+            engines = {"mixed": mixed, "base": base}
+            if args.against_library:
+                engines["other"] = engine(
+                    models[n], adapters[s], args.threads, args.against_library
+                )[0]
+            sets[n if len(saved) == 1 else f"{n}, saved {s}"] = (engines, loras)
     doc = {
         "command": "python bench/bench_lora_cost.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -201,9 +236,10 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "adapter_dtype": args.adapter_dtype,
         "saved": args.saved,
+        "against_library": args.against_library,
         "loadavg_start": os.getloadavg(),
     }
-    doc["exports"] = measure(pairs, args.rounds)
+    doc["exports"] = measure(sets, args.rounds)
     doc["loadavg_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ ratios it reports (the numbers themselves are the benchmark's, never checked her
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,30 +59,66 @@ class StepsEngine(FakeEngine):
         self.steps -= 1
 
 
-def test_the_two_engines_step_in_turn_one_with_adapters_one_without(bench):
+def test_the_engines_step_in_turn_base_without_adapters(bench):
     log = []
     mixed, base = StepsEngine("m", 3, log), StepsEngine("b", 2, log)
-    rates = bench.serve_in_turn(mixed, base, [f"l{i}" for i in range(16)], "r")
-    assert log == ["m", "b", "m", "b", "m"]
-    assert all(rate > 0 for rate in rates)
+    other = StepsEngine("o", 1, log)
+    engines = {"mixed": mixed, "base": base, "other": other}
+    rates = bench.serve_in_turn(engines, [f"l{i}" for i in range(16)], "r")
+    assert log == ["m", "b", "o", "m", "b", "m"]
+    assert set(rates) == {"mixed", "base", "other"} and all(r > 0 for r in rates.values())
+    assert rates["mixed"] < rates["base"] < rates["other"]  # more steps, more time
     assert [a[3] for a in base.added] == [None] * 32
     assert [a[3] for a in mixed.added][:2] == ["l0", "l1"]
+    assert [a[3] for a in other.added] == [a[3] for a in mixed.added]
 
 
 def test_rounds_and_ratios(bench, monkeypatch):
-    calls, speeds = [], {"x-0": (60.0, 100.0), "x-1": (45.0, 50.0), "x-2": (80.0, 100.0)}
+    calls = []
+    speeds = {
+        "x-0": {"mixed": 60.0, "base": 100.0, "other": 50.0},
+        "x-1": {"mixed": 45.0, "base": 50.0, "other": 40.0},
+        "x-2": {"mixed": 80.0, "base": 100.0, "other": 70.0},
+    }
 
-    def serve_in_turn(mixed, base, loras, tag):
+    def serve_in_turn(engines, loras, tag):
         calls.append(tag)
-        return speeds.get(tag, (1.0, 1.0))
+        return speeds.get(tag, dict.fromkeys(engines, 1.0))
 
     monkeypatch.setattr(bench, "serve_in_turn", serve_in_turn)
-    runs = bench.measure({"x": (FakeEngine(), FakeEngine(), ["l"])}, rounds=3)
+    engines = {"mixed": FakeEngine(), "base": FakeEngine(), "other": FakeEngine()}
+    runs = bench.measure({"x": (engines, ["l"])}, rounds=3)
     assert calls == ["warm-x", "x-0", "x-1", "x-2"]
     assert runs["x"]["ratio"] == pytest.approx([0.6, 0.9, 0.8])
     assert runs["x"]["median_ratio"] == pytest.approx(0.8)
+    assert runs["x"]["other_ratio"] == pytest.approx([0.5, 0.8, 0.7])
+    assert runs["x"]["median_other_ratio"] == pytest.approx(0.7)
     doc = {"cpu": "c", "isa": "AVX2", "threads": 2, "adapter_dtype": "int8", "exports": runs}
-    assert "0.800" in bench.report(doc)
+    text = bench.report(doc)
+    assert "0.800" in text and "other library" in text and "0.700" in text
+
+
+def test_without_another_library_no_other_ratio(bench, monkeypatch):
+    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag: {"mixed": 1.0, "base": 2.0})
+    runs = bench.measure({"x": ({"mixed": FakeEngine(), "base": FakeEngine()}, ["l"])}, rounds=1)
+    assert runs["x"]["ratio"] == [0.5] and "other_ratio" not in runs["x"]
+
+
+def test_engine_on_another_library_restores_the_environment(bench, monkeypatch, tmp_path):
+    seen = []
+
+    class Engine:
+        def __init__(self, model, config, intra_op_num_threads, seed):
+            seen.append(os.environ.get("ORT_LORA_LIBRARY"))
+
+        def add_lora(self, lora):
+            pass
+
+    monkeypatch.setattr("ort_lora.engine.llm_engine.LLMEngine", Engine)
+    monkeypatch.setenv("ORT_LORA_LIBRARY", "mine.so")
+    bench.engine(tmp_path, [], 2, "other.so")
+    bench.engine(tmp_path, [], 2)
+    assert seen == ["other.so", "mine.so"] and os.environ["ORT_LORA_LIBRARY"] == "mine.so"
 
 
 @pytest.mark.parametrize(
@@ -91,6 +128,7 @@ def test_rounds_and_ratios(bench, monkeypatch):
         (["--rounds", "0"], "--rounds"),
         (["--saved", "float8"], "--saved"),
         (["--saved", "float16,float16"], "--saved"),
+        (["--against-library", "/no/such/lib.so"], "--against-library"),
     ],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
