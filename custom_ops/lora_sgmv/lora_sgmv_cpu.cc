@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "lora_sgmv/lora_sgmv_plan.h"
+#include "lora_sgmv/lora_sgmv_read_ahead.h"
 
 // Every function that passes a vector by value is always inlined into an ISA-specific clone,
 // so GCC's note that such calls would change the ABI across ISAs never applies.
@@ -323,22 +324,25 @@ ORT_LORA_INLINE void WidenItemBody(SgmvCpuPlan& plan, size_t index) {
 
 // A rows [j, hi) of a segment in groups of NR over columns [k0, k1); returns the first row
 // left (fewer than NR). While a group of A rows is read: the next group's starts, and the starts
-// of this group's B^T rows (the expand's, next). Measured on int8 decode rows: 1.2x.
+// of this group's B^T rows (the expand's, next). Measured on int8 decode rows: 1.2x. In a
+// decode group, `ahead` (else null) asks for as many lines further on as the group reads.
 template <typename V, typename R, int NR>
 ORT_LORA_INLINE int64_t ShrinkGroups(const SgmvSegment& s, const float* x, int64_t n, int64_t k,
                                      int64_t k0, int64_t k1, int64_t j, int64_t hi, float* v,
-                                     int64_t r) {
+                                     int64_t r, RowReadAhead* ahead) {
+  constexpr int64_t kLineElems = 64 / sizeof(R);
   for (; j < hi; j += NR) {
     ReadRowStarts(s.a_rows + j + NR, std::min<int64_t>(NR, hi - j - NR), 2 * kReadAhead);
     ReadRowStarts(s.bt_rows + j, std::min<int64_t>(NR, hi - j), kReadAhead);
     if (j + NR > hi) break;
+    if (ahead != nullptr) ahead->Issue(NR * ((k1 - k0) / kLineElems));
     ShrinkGroup<V, R, NR>(x, n, k, s.a_rows + j, s.bt_rows + j, k0, k1, s.scales + j, v + j, r);
   }
   return j;
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
+ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index, RowReadAhead* ahead) {
   const SgmvCpuItem& it = plan.shrink[index];
   const SgmvProblem& p = *plan.p;
   const SgmvSegment& s = plan.segs[it.seg];
@@ -355,9 +359,9 @@ ORT_LORA_INLINE void ShrinkItemBody(SgmvCpuPlan& plan, size_t index) {
     // LoraSGMV calls 1.04-1.07x on a Zen 4 EPYC with float32, float16 and bfloat16 rows;
     // int8 rows 0.98-0.99x, so they keep groups of 4).
     if constexpr (sizeof(V) == 64 && !std::is_same_v<R, int8_t>) {
-      if (n <= 2) j = ShrinkGroups<V, R, 8>(s, x, n, k, k0, k1, it.lo, it.hi, v, r);
+      if (n <= 2) j = ShrinkGroups<V, R, 8>(s, x, n, k, k0, k1, it.lo, it.hi, v, r, ahead);
     }
-    j = ShrinkGroups<V, R, 4>(s, x, n, k, k0, k1, j, it.hi, v, r);
+    j = ShrinkGroups<V, R, 4>(s, x, n, k, k0, k1, j, it.hi, v, r, ahead);
     for (; j < it.hi; ++j)
       ShrinkGroup<V, R, 1>(x, n, k, s.a_rows + j, s.bt_rows + j, k0, k1, s.scales + j, v + j, r);
   }
@@ -372,6 +376,7 @@ struct ExpandRowsOf {
   int64_t r;
   const void* dora;
   float dora_scale;
+  RowReadAhead* ahead;  // in a decode group (else null): lines asked for as the tiles read
 };
 
 // Columns [c0, c1) of MR rows: 4-vector strips, then 1-vector strips, then a scalar tail.
@@ -381,8 +386,10 @@ ORT_LORA_INLINE void ExpandRows(const ExpandRowsOf& e, const float* v, int64_t c
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const R* dora = static_cast<const R*>(e.dora);
   int64_t c = c0;
-  for (; c + 4 * kLanes <= c1; c += 4 * kLanes)
+  for (; c + 4 * kLanes <= c1; c += 4 * kLanes) {
+    if (e.ahead != nullptr) e.ahead->Issue(e.r * (4 * kLanes * sizeof(R) / 64));
     ExpandTile<V, R, MR, 4>(v, e.ldv, e.bt, e.r, dora, e.dora_scale, c, y, y_out, ldy);
+  }
   for (; c + kLanes <= c1; c += kLanes)
     ExpandTile<V, R, MR, 1>(v, e.ldv, e.bt, e.r, dora, e.dora_scale, c, y, y_out, ldy);
   for (int i = 0; i < MR && c < c1; ++i)
@@ -409,7 +416,7 @@ ORT_LORA_INLINE void ExpandPanel(const ExpandRowsOf& e, int64_t n, int64_t c0, i
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
+ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index, RowReadAhead* ahead) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const SgmvCpuItem& it = plan.expand[index];
   const SgmvOutput& o = plan.p->outputs[it.module];
@@ -429,7 +436,8 @@ ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
                        s.bt_rows + j0,
                        s.first[it.module + 1] - j0,
                        dora == nullptr ? nullptr : Values<R>(dora),
-                       dora == nullptr ? 1.0f : Scale<R>(dora)};
+                       dora == nullptr ? 1.0f : Scale<R>(dora),
+                       ahead};
   // Rows stream through y / y_out in order (prefetch-friendly) while a panel of B^T columns,
   // sized to stay in L1, is reused by every row of the item.
   const int64_t panel_cols = kExpandPanelBytes / (sizeof(R) * e.r);
@@ -442,21 +450,21 @@ ORT_LORA_INLINE void ExpandItemBody(SgmvCpuPlan& plan, size_t index) {
 
 // Items of widened segments read float32 rows whatever the call's row type.
 template <typename V, typename R>
-ORT_LORA_INLINE void ShrinkItem(SgmvCpuPlan& plan, size_t index) {
+ORT_LORA_INLINE void ShrinkItem(SgmvCpuPlan& plan, size_t index, RowReadAhead* ahead) {
   if (sizeof(R) != sizeof(float) && plan.wide_base[plan.shrink[index].seg] >= 0) {
-    ShrinkItemBody<V, float>(plan, index);
+    ShrinkItemBody<V, float>(plan, index, ahead);
   } else {
-    ShrinkItemBody<V, R>(plan, index);
+    ShrinkItemBody<V, R>(plan, index, ahead);
   }
 }
 
 template <typename V, typename R>
-ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index) {
+ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index, RowReadAhead* ahead) {
   const int64_t seg = plan.expand[index].seg;
   if (sizeof(R) != sizeof(float) && seg >= 0 && plan.wide_base[seg] >= 0) {
-    ExpandItemBody<V, float>(plan, index);
+    ExpandItemBody<V, float>(plan, index, ahead);
   } else {
-    ExpandItemBody<V, R>(plan, index);
+    ExpandItemBody<V, R>(plan, index, ahead);
   }
 }
 
@@ -464,43 +472,47 @@ ORT_LORA_INLINE void ExpandItem(SgmvCpuPlan& plan, size_t index) {
 // available. R = float (float32 rows), uint16_t (bfloat16 rows), Half (float16 rows) or int8_t
 // (int8 rows).
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(SgmvCpuPlan& p, size_t i) {
-  ShrinkItem<V16, R>(p, i);
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ShrinkAvx512(SgmvCpuPlan& p, size_t i,
+                                                                       RowReadAhead* ahead) {
+  ShrinkItem<V16, R>(p, i, ahead);
 }
 template <typename R>
-__attribute__((target("avx2,fma"))) void ShrinkAvx2(SgmvCpuPlan& p, size_t i) {
-  ShrinkItem<V8, R>(p, i);
+__attribute__((target("avx2,fma"))) void ShrinkAvx2(SgmvCpuPlan& p, size_t i, RowReadAhead* ahead) {
+  ShrinkItem<V8, R>(p, i, ahead);
 }
 template <typename R>
-void ShrinkBase(SgmvCpuPlan& p, size_t i) {
-  ShrinkItem<V4, R>(p, i);
+void ShrinkBase(SgmvCpuPlan& p, size_t i, RowReadAhead* ahead) {
+  ShrinkItem<V4, R>(p, i, ahead);
 }
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(SgmvCpuPlan& p, size_t i) {
-  ExpandItem<V16, R>(p, i);
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void ExpandAvx512(SgmvCpuPlan& p, size_t i,
+                                                                       RowReadAhead* ahead) {
+  ExpandItem<V16, R>(p, i, ahead);
 }
 template <typename R>
-__attribute__((target("avx2,fma"))) void ExpandAvx2(SgmvCpuPlan& p, size_t i) {
-  ExpandItem<V8, R>(p, i);
+__attribute__((target("avx2,fma"))) void ExpandAvx2(SgmvCpuPlan& p, size_t i, RowReadAhead* ahead) {
+  ExpandItem<V8, R>(p, i, ahead);
 }
 template <typename R>
-void ExpandBase(SgmvCpuPlan& p, size_t i) {
-  ExpandItem<V4, R>(p, i);
+void ExpandBase(SgmvCpuPlan& p, size_t i, RowReadAhead* ahead) {
+  ExpandItem<V4, R>(p, i, ahead);
 }
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(SgmvCpuPlan& p, size_t i) {
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(SgmvCpuPlan& p, size_t i,
+                                                                      RowReadAhead*) {
   WidenItemBody<V16, R>(p, i);
 }
 template <typename R>
-__attribute__((target("avx2,fma"))) void WidenAvx2(SgmvCpuPlan& p, size_t i) {
+__attribute__((target("avx2,fma"))) void WidenAvx2(SgmvCpuPlan& p, size_t i, RowReadAhead*) {
   WidenItemBody<V8, R>(p, i);
 }
 template <typename R>
-void WidenBase(SgmvCpuPlan& p, size_t i) {
+void WidenBase(SgmvCpuPlan& p, size_t i, RowReadAhead*) {
   WidenItemBody<V4, R>(p, i);
 }
 
-using ItemFn = void (*)(SgmvCpuPlan&, size_t);
+// An item of a pass; the read-ahead of its decode group, or null (widen: always null).
+using ItemFn = void (*)(SgmvCpuPlan&, size_t, RowReadAhead*);
 struct PassFns {
   ItemFn widen;  // bfloat16, float16 and int8 rows only
   ItemFn shrink;
@@ -567,7 +579,7 @@ void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
                        : problem.row_type == SgmvRowLayout::kFloat16Pairs ? kernels.f16
                        : problem.row_type == SgmvRowLayout::kInt8Scaled   ? kernels.i8
                                                                           : kernels.f32;
-  auto pass = [&plan](ItemFn fn) { return [&plan, fn](size_t i) { fn(plan, i); }; };
+  auto pass = [&plan](ItemFn fn) { return [&plan, fn](size_t i) { fn(plan, i, nullptr); }; };
   RunPass(plan.widen.size(), plan.widen_cost, parallel_for, pass(fns.widen));
   if (plan.fused.empty()) {
     RunPass(plan.shrink.size(), plan.shrink_cost, parallel_for, pass(fns.shrink));
@@ -576,8 +588,9 @@ void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
     RunPass(plan.fused.size(), plan.shrink_cost + plan.expand_cost, parallel_for,
             [&plan, &fns](size_t i) {
               const SgmvCpuGroup& g = plan.fused[i];
-              for (int64_t k = g.shrink_begin; k < g.shrink_end; ++k) fns.shrink(plan, k);
-              for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e);
+              RowReadAhead ahead(plan, i);
+              for (int64_t k = g.shrink_begin; k < g.shrink_end; ++k) fns.shrink(plan, k, &ahead);
+              for (int64_t e = g.expand_begin; e < g.expand_end; ++e) fns.expand(plan, e, &ahead);
             });
   }
   plan.wide_storage.reset();  // prefill's scratch is not kept between calls
