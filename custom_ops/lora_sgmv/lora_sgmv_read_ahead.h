@@ -6,7 +6,6 @@
 // in-cache time plus the rows' time from memory. Used by lora_sgmv_cpu.cc only.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "lora_sgmv/lora_sgmv_plan.h"
