@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 from tqdm import tqdm
 
@@ -74,16 +75,9 @@ def engine(model: Path, adapters: list, threads: int, library: str | None = None
     from ort_lora.lora_request import LoRARequest
 
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=True)
-    previous = os.environ.get("ORT_LORA_LIBRARY")
-    if library:  # read once, when the engine's session is made
-        os.environ["ORT_LORA_LIBRARY"] = library
-    try:
+    override = {"ORT_LORA_LIBRARY": library} if library else {}
+    with mock.patch.dict(os.environ, override):  # read once, when the session is made
         eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)
-    finally:
-        if library:
-            os.environ.pop("ORT_LORA_LIBRARY")
-            if previous is not None:
-                os.environ["ORT_LORA_LIBRARY"] = previous
     loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     for lora in loras:
         eng.add_lora(lora)

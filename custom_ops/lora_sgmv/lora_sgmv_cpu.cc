@@ -387,7 +387,7 @@ ORT_LORA_INLINE void ExpandRows(const ExpandRowsOf& e, const float* v, int64_t c
   const R* dora = static_cast<const R*>(e.dora);
   int64_t c = c0;
   for (; c + 4 * kLanes <= c1; c += 4 * kLanes) {
-    if (e.ahead != nullptr) e.ahead->Issue(e.r * (4 * kLanes * sizeof(R) / 64));
+    if (e.ahead != nullptr) e.ahead->Issue(e.r * 4 * kLanes * static_cast<int64_t>(sizeof(R)) / 64);
     ExpandTile<V, R, MR, 4>(v, e.ldv, e.bt, e.r, dora, e.dora_scale, c, y, y_out, ldy);
   }
   for (; c + kLanes <= c1; c += kLanes)
