@@ -28,14 +28,20 @@ INPUTS = ("x", "codes", "scales", "zeros", "offsets")
 RTOL, ATOL = 1e-4, 1e-4
 
 
+def signature(feeds: dict) -> tuple[tuple[str, str], ...]:
+    """The inputs fed and their types, as session() takes them."""
+    return tuple((name, a.dtype.name) for name, a in feeds.items())
+
+
 @functools.lru_cache(maxsize=64)
-def session(present: tuple[str, ...], outputs: int = 1, **attrs):
+def session(inputs: tuple[tuple[str, str], ...], outputs: int = 1, **attrs):
+    present = dict(inputs)
     node_inputs = [name if name in present else "" for name in INPUTS]
     while node_inputs[-1] == "":
         node_inputs.pop()
-    dtypes = {"codes": TensorProto.UINT8, "zeros": TensorProto.UINT8}
+    dtypes = {"uint8": TensorProto.UINT8, "float16": TensorProto.FLOAT16}
     graph_inputs = [
-        helper.make_tensor_value_info(n, dtypes.get(n, TensorProto.FLOAT), None) for n in present
+        helper.make_tensor_value_info(n, dtypes.get(t, TensorProto.FLOAT), None) for n, t in inputs
     ]
     ys = ["y", "y1", "y2"][:outputs]
     node = helper.make_node("QuantMatMul", node_inputs, ys, domain=ort_lora.OPS_DOMAIN, **attrs)
@@ -48,20 +54,29 @@ def session(present: tuple[str, ...], outputs: int = 1, **attrs):
 
 
 # The block forms the op serves: integer zero points, none (the midpoint), zero points with
-# float offsets, and offsets without zero points (the default model's GGUF Q4_1 blocks)
+# float offsets, offsets without zero points, and a GGUF file's own Q4_0 and Q4_1 numbers
+# (float16 scales and minimums: 4 bits tile them in float16, the default model's blocks)
 KINDS = {
     "zeros": dict(zeros=True),
     "symmetric": dict(zeros=False),
     "offsets": dict(zeros=True, offsets=True),
-    "gguf-q4_1": dict(zeros=False, offsets=True),
+    "float-offsets": dict(zeros=False, offsets=True),
+    "gguf-q4_0": dict(zeros=False, gguf=True),
+    "gguf-q4_1": dict(zeros=False, offsets=True, gguf=True),
 }
 
 
-def weights(rng, n, k, block, zeros=True, offsets=False, bits=4):
+def weights(rng, n, k, block, zeros=True, offsets=False, bits=4, gguf=False):
+    """gguf: float16 scales d and minimums m as a GGUF file has them (offsets m + 8 d)."""
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
     q = quantize_rtn(w, bits, block, symmetric=not zeros)
+    if gguf:
+        q = dataclasses.replace(q, scales=q.scales.astype(np.float16).astype(np.float32))
     if offsets:
-        q = dataclasses.replace(q, offsets=rng.standard_normal(q.scales.shape).astype(np.float32))
+        off = rng.standard_normal(q.scales.shape).astype(np.float32)
+        if gguf:  # minimum + 8 d, rounded once to float32 (gguf_blocks.py's Q4_1 offsets)
+            off = (off * 0.1).astype(np.float16).astype(np.float32) + np.float32(8) * q.scales
+        q = dataclasses.replace(q, offsets=off)
     return q
 
 
@@ -79,7 +94,7 @@ def run(q, x):
     n, k = q.shape
     feeds = feeds_of(q, x)
     attrs = dict(K=k, N=n, block_size=q.block_size, bits=q.bits)
-    return session(tuple(feeds), **attrs).run(None, feeds)[0]
+    return session(signature(feeds), **attrs).run(None, feeds)[0]
 
 
 def expected(q, x):
@@ -129,7 +144,7 @@ def test_float_inputs_at_accuracy_level_0(kind, bits, rng):
     x = rng.standard_normal((5, 128)).astype(np.float32)
     feeds = feeds_of(q, x)
     attrs = dict(K=128, N=100, block_size=32, bits=bits, accuracy_level=0)
-    y = session(tuple(feeds), **attrs).run(None, feeds)[0]
+    y = session(signature(feeds), **attrs).run(None, feeds)[0]
     want = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
     assert np.abs(run(q, x) - want).max() > 1e-3  # level 4 rounds x to int8: not the same
@@ -154,7 +169,7 @@ def test_splits_cut_y_by_columns(splits, bits, rng):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     feeds = feeds_of(q, x)
     attrs = dict(K=k, N=n, block_size=32, bits=bits, splits=tuple(splits))
-    ys = session(tuple(feeds), outputs=len(splits), **attrs).run(None, feeds)
+    ys = session(signature(feeds), outputs=len(splits), **attrs).run(None, feeds)
     starts = np.cumsum([0, *splits])
     for y, a, b in zip(ys, starts[:-1], starts[1:], strict=True):
         assert y.shape == (rows, b - a)
@@ -175,6 +190,49 @@ def test_tiles_read_back(bits, kind, rng):
         want, got = getattr(q, field), getattr(back, field)
         assert (want is None and got is None) or np.array_equal(want, got), field
     np.testing.assert_allclose(quant_tiles.dequantize(t, 100), q.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 70])
+@pytest.mark.parametrize("offsets", [False, True], ids=["q4_0", "q4_1"])
+def test_float16_tiles_give_the_same_y(offsets, rows, rng):
+    """A GGUF file's numbers tile in float16 (scales, and minimums for the offsets), and y is
+    bit for bit what the float32 tiles of the same weights give (offset = m + 8 d rounded once
+    in both)."""
+    q = weights(rng, 200, 96, 32, zeros=False, offsets=offsets, gguf=True)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    feeds = feeds_of(q, x)
+    assert feeds["scales"].dtype == np.float16
+    assert offsets == ("offsets" in feeds)
+    assert feeds.get("offsets", feeds["scales"]).dtype == np.float16
+    wide = dict(feeds, scales=feeds["scales"].astype(np.float32))
+    if offsets:
+        wide["offsets"] = feeds["offsets"].astype(np.float32) + np.float32(8) * wide["scales"]
+    attrs = dict(K=96, N=200, block_size=32, bits=4)
+    for level in (0, 4):  # float x, then int8 x
+        half, full = (
+            session(signature(f), accuracy_level=level, **attrs).run(None, f)[0]
+            for f in (feeds, wide)
+        )
+        assert np.array_equal(half, full), level
+    np.testing.assert_allclose(half, expected(q, x), rtol=RTOL, atol=ATOL)
+
+
+def test_float16_only_where_exact(rng):
+    """Scales or offsets float16 cannot give exactly stay float32 (rtn's scales, a minimum
+    that is not a float16, zero points, 8 bits)."""
+    q = weights(rng, 64, 64, 32, zeros=False, offsets=True, gguf=True)
+    assert tile_blocks(q).scales.dtype == np.float16
+    off = q.offsets.copy()
+    off[3, 1] += np.float32(1e-3)  # no float16 minimum gives it
+    for other in (
+        dataclasses.replace(q, offsets=off),
+        weights(rng, 64, 64, 32, zeros=False),
+        weights(rng, 64, 64, 32, zeros=True, gguf=True),
+        weights(rng, 64, 64, 32, zeros=False, gguf=True, bits=8),
+    ):
+        t = tile_blocks(other)
+        assert t.scales.dtype == np.float32
+        assert t.offsets is None or t.offsets.dtype == np.float32
 
 
 def test_empty_rows(rng):
@@ -236,7 +294,7 @@ def test_matches_matmulnbits(zeros, bits, rng):
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_QUANT_ISA) pass the value tests."""
-    cases = "shapes or leading_dims or extreme_codes or matches or splits"
+    cases = "shapes or leading_dims or extreme_codes or matches or splits or float16_tiles"
     assert_passes_with_isa(__file__, cases, "ORT_LORA_QUANT_ISA", isa)
 
 
@@ -246,7 +304,7 @@ def test_narrower_isa_kernels(isa):
 def bad_run(feeds, match, **attrs):
     q_attrs = dict(K=64, N=100, block_size=32, bits=4) | attrs
     with pytest.raises(Exception, match=match):
-        session(tuple(feeds), **q_attrs).run(None, feeds)
+        session(signature(feeds), **q_attrs).run(None, feeds)
 
 
 def valid(rng):
@@ -269,6 +327,32 @@ def test_bad_inputs(name, change, match, rng):
     feeds["offsets"] = np.zeros_like(feeds["scales"])
     feeds[name] = np.ascontiguousarray(change(feeds[name]))
     bad_run(feeds, match)
+
+
+HALF_RULE = r"float16 'scales' need bits 4 and no 'zeros' input"
+
+
+@pytest.mark.parametrize(
+    "change,match,attrs",
+    [
+        (dict(scales=np.float16), HALF_RULE, dict(bits=8)),
+        (dict(scales=np.float16, zeros=np.uint8), HALF_RULE, {}),
+        (dict(offsets=np.float16), "input 'offsets' must be float32, got float16", {}),
+        (dict(scales=np.float16), "input 'offsets' must be float16, got float32", {}),
+        (dict(scales=np.float64), r"Unexpected input data type. Actual: \(tensor\(double\)\)", {}),
+    ],
+    ids=["bits8", "zeros", "offsets16", "offsets32", "scales64"],
+)
+def test_bad_scale_types(change, match, attrs, rng):
+    """Scales and offsets are float32, or both float16 with 4 bits and no zero points."""
+    feeds = valid(rng)
+    zeros = feeds.pop("zeros")
+    feeds["offsets"] = np.zeros_like(feeds["scales"])
+    if attrs.get("bits") == 8:
+        feeds["codes"] = np.zeros((2, 2, 8, 256), np.uint8)
+    for name, dtype in change.items():
+        feeds[name] = (zeros if name == "zeros" else feeds[name]).astype(dtype)
+    bad_run(feeds, match, **attrs)
 
 
 @pytest.mark.parametrize(

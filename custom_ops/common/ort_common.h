@@ -163,6 +163,10 @@ inline const char* TypeName(ONNXTensorElementDataType t) {
       return "int32";
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:
       return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8:
+      return "uint8";
     default:
       return "other";
   }

@@ -141,6 +141,8 @@ TileArgs Strip(const Problem& p, int64_t row, int64_t strip) {
           a.scales + at,
           a.zeros ? a.zeros + at : nullptr,
           a.offsets ? a.offsets + at : nullptr,
+          a.half_scales ? a.half_scales + at : nullptr,
+          a.minimums ? a.minimums + at : nullptr,
           row,
           a.columns[o] - column,
           a.y[o] + row * a.columns[o] + column,
@@ -166,11 +168,11 @@ void TileBase(const Problem& p, const TileArgs& t) {
             dot += xb[8 * j + i] * (byte & 0x0F) + xb[8 * j + 4 + i] * (byte >> 4);
           }
         const int64_t at = b * kQuantTile + c, xt = row * p.blocks + b;
-        const float s = t.scales[at];
+        const float s = ScaleAt(t, at);
         const float zero = t.zeros ? static_cast<float>(t.zeros[at]) : 8.0f;
         acc += static_cast<float>(dot) * (s * p.xscale[xt]);
         acc += -(s * zero) * p.xqsum[xt];
-        if (t.offsets) acc += t.offsets[at] * p.xsum[xt];
+        if (HasOffsets(t)) acc += OffsetAt(t, at, s) * p.xsum[xt];
       }
       t.y[r * t.ldy + c] = acc;
     }
@@ -186,8 +188,8 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
   for (int64_t b = 0; b < p.blocks; ++b)
     for (int64_t c = 0; c < columns; ++c) {
       const int64_t at = b * kQuantTile + c;
-      const float s = t.scales[at], zero = t.zeros ? float(t.zeros[at]) : 8.0f;
-      const float off = t.offsets ? t.offsets[at] : 0.0f;
+      const float s = ScaleAt(t, at), zero = t.zeros ? float(t.zeros[at]) : 8.0f;
+      const float off = OffsetAt(t, at, s);
       for (int64_t j = 0; j < bs / 8; ++j)
         for (int i = 0; i < 4; ++i) {
           const uint8_t byte = t.codes[b * bs / 8 * kChunkBytes + j * kChunkBytes + 4 * c + i];
@@ -209,16 +211,16 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
 // MR rows, and each row's x broadcast once for all NT strips (in registers: vpdpbusd reads
 // neither well from memory). Past the 32 zmm registers (3 rows x 4 strips, 7-8 rows x 2),
 // GCC spills some float sums, which a block touches once. With t.next, the same strips of the
-// next tile are fetched into L2 as these are read.
-template <int MR, int NT>
-__attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
-                                                                     const TileArgs& t) {
+// next tile are fetched into L2 as these are read. kHalf: t's float16 scales and minimums.
+template <int MR, int NT, bool kHalf>
+__attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline void TileAvx512Of(
+    const Problem& p, const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
   const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
-  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* w = t.codes;
   __m512 acc[MR][NT];
@@ -256,12 +258,12 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
 #pragma GCC unroll 4
     for (int c = 0; c < NT; ++c) {
       const int64_t at = b * kQuantTile + c * kLanes;
-      s[c] = _mm512_loadu_ps(t.scales + at);
+      s[c] = ScalesAvx512<kHalf>(t, at);
       const __m512 zero = t.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                                         reinterpret_cast<const __m128i*>(t.zeros + at))))
                                   : _mm512_set1_ps(8.0f);
       wz[c] = _mm512_mul_ps(s[c], _mm512_sub_ps(_mm512_setzero_ps(), zero));
-      off[c] = xsum ? _mm512_loadu_ps(t.offsets + at) : _mm512_setzero_ps();
+      off[c] = xsum ? OffsetsAvx512<kHalf>(t, at, s[c]) : _mm512_setzero_ps();
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -288,6 +290,16 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
   }
 }
 
+template <int MR, int NT>
+__attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
+                                                                     const TileArgs& t) {
+  if (t.half_scales) {
+    TileAvx512Of<MR, NT, true>(p, t);
+  } else {
+    TileAvx512Of<MR, NT, false>(p, t);
+  }
+}
+
 // AVX2 has no int8 dot product into int32: maddubs multiplies u8 x s8 pairs into int16 (a
 // 4-bit code times |x| <= 127, twice: at most 3,810, so no saturation), and int16 sums of up
 // to 8 of those (32 k: at most 30,480) still fit, so madd with ones widens to int32 once per
@@ -305,15 +317,15 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline __m256 ZeroTermA
   return _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
 }
 
-template <int MR, int NH>
-__attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& p,
-                                                                 const TileArgs& t) {
+template <int MR, int NH, bool kHalf>
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(const Problem& p,
+                                                                                const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
   const int64_t chunks = a.block_size / 8, k = a.k, blocks = p.blocks;
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
-  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* w = t.codes;
   __m256 acc[MR][NH];
@@ -348,7 +360,7 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
       // widen, scale by the block's scales and fold in: acc += int32(sum) * s * xscale
 #pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) {
-        const __m256 s = _mm256_loadu_ps(t.scales + b * kQuantTile + 8 * h);
+        const __m256 s = ScalesAvx2<kHalf>(t, b * kQuantTile + 8 * h);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
@@ -360,9 +372,9 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
 #pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
       const int64_t at = b * kQuantTile + 8 * h;
-      const __m256 s = _mm256_loadu_ps(t.scales + at);
+      const __m256 s = ScalesAvx2<kHalf>(t, at);
       const __m256 wz = ZeroTermAvx2(t, at, s);
-      const __m256 off = xsum ? _mm256_loadu_ps(t.offsets + at) : _mm256_setzero_ps();
+      const __m256 off = xsum ? OffsetsAvx2<kHalf>(t, at, s) : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         acc[r][h] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r][h]);
@@ -379,7 +391,11 @@ __attribute__((target("arch=x86-64-v3"))) inline void HalvesAvx2(const Problem& 
 
 // One row: the whole tile (4 strips, 8 halves) in one pass.
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, const TileArgs& t) {
-  HalvesAvx2<1, 8>(p, t);
+  if (t.half_scales) {
+    HalvesAvx2<1, 8, true>(p, t);
+  } else {
+    HalvesAvx2<1, 8, false>(p, t);
+  }
 }
 
 // sum += v in int16, in place: GCC reassociates a row's chain of int16 sums over a block's
@@ -394,7 +410,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void AddEpi16(__
 // kAvx2Flush chunks (32 k) is unrolled and summed in int16, then widened once. kBlockChunks:
 // a block's chunks when the block is one group or less (2 or 4), else 0 (groups of 4). With
 // kPrefetch, t.next's line of the strip is fetched into L2 as each chunk is read.
-template <int MR, int kBlockChunks, bool kPrefetch>
+template <int MR, int kBlockChunks, bool kPrefetch, bool kHalf>
 __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Rows(const Problem& p,
                                                                                   const TileArgs& t,
                                                                                   int64_t half) {
@@ -405,7 +421,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
-  const float* xsum = t.offsets ? p.xsum + t.row * blocks : nullptr;
+  const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
   const uint8_t* w = t.codes + 32 * half;
@@ -445,7 +461,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
       }
     }
     const int64_t at = b * kQuantTile + 8 * half;
-    const __m256 s = _mm256_loadu_ps(t.scales + at);
+    const __m256 s = ScalesAvx2<kHalf>(t, at);
     const __m256 wz = ZeroTermAvx2(t, at, s);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
@@ -454,7 +470,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
       acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
     }
     if (xsum) {
-      const __m256 off = _mm256_loadu_ps(t.offsets + at);
+      const __m256 off = OffsetsAvx2<kHalf>(t, at, s);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r]);
@@ -465,25 +481,34 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
 
 // MR rows x one strip, half by half (the first half fetches the next tile's line of the strip,
 // which holds both halves).
-template <int MR, int kBlockChunks>
+template <int MR, int kBlockChunks, bool kHalf>
 __attribute__((target("arch=x86-64-v3"))) void StripAvx2Rows(const Problem& p, const TileArgs& t) {
   if (t.next) {
-    HalfAvx2Rows<MR, kBlockChunks, true>(p, t, 0);
+    HalfAvx2Rows<MR, kBlockChunks, true, kHalf>(p, t, 0);
   } else {
-    HalfAvx2Rows<MR, kBlockChunks, false>(p, t, 0);
+    HalfAvx2Rows<MR, kBlockChunks, false, kHalf>(p, t, 0);
   }
-  if (t.columns > 8) HalfAvx2Rows<MR, kBlockChunks, false>(p, t, 1);
+  if (t.columns > 8) HalfAvx2Rows<MR, kBlockChunks, false, kHalf>(p, t, 1);
+}
+
+template <int MR, bool kHalf>
+__attribute__((target("arch=x86-64-v3"))) void TileAvx2RowsOf(const Problem& p, const TileArgs& t) {
+  switch (p.a->block_size) {
+    case 16:
+      return StripAvx2Rows<MR, 2, kHalf>(p, t);
+    case 32:
+      return StripAvx2Rows<MR, 4, kHalf>(p, t);
+    default:
+      return StripAvx2Rows<MR, 0, kHalf>(p, t);
+  }
 }
 
 template <int MR>
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
-  switch (p.a->block_size) {
-    case 16:
-      return StripAvx2Rows<MR, 2>(p, t);
-    case 32:
-      return StripAvx2Rows<MR, 4>(p, t);
-    default:
-      return StripAvx2Rows<MR, 0>(p, t);
+  if (t.half_scales) {
+    TileAvx2RowsOf<MR, true>(p, t);
+  } else {
+    TileAvx2RowsOf<MR, false>(p, t);
   }
 }
 #endif
@@ -576,7 +601,7 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
   p.xq = xq.data();
   p.xscale = stats.data();
   p.xqsum = p.xscale + a.m * p.blocks;
-  p.xsum = a.offsets ? p.xqsum + a.m * p.blocks : nullptr;
+  p.xsum = a.offsets || a.minimums ? p.xqsum + a.m * p.blocks : nullptr;
   isums.resize(a.m * p.blocks);
   p.xisum = isums.data();
 

@@ -16,6 +16,10 @@
 //   zeros   uint8 [tiles, K / block_size, 64] or none: 8 (4 bits), 128 (8 bits)
 //   offsets float [tiles, K / block_size, 64] or none: 0
 //   W[n, k] = (code - zero) * scale + offset        of n's column and k's block
+// or, 4 bits without zeros, a GGUF file's own numbers (Q4_0, Q4_1: 0.625 bytes a weight, not
+// 0.75): scales float16, and offsets none or float16 minimums m, the weights at code 0:
+//   W[n, k] = code * scale + m = (code - 8) * scale + offset, offset = m + 8 * scale in float32
+// (one rounding, so the float32 offsets of the same weights give the same y bit for bit).
 // x [M, K] is quantized per block as ONNX Runtime's MatMulNBits does at accuracy_level 4
 // (quant.py's quantize_activations): scale amax / 127, codes rint(x * 127 / amax). The offset
 // multiplies the float block sums of x (unquantized), as the export's reference does. With
@@ -39,7 +43,10 @@ struct QuantMatMulArgs {
   const float* scales;
   const uint8_t* zeros;  // nullptr: 2^(bits - 1)
   const float* offsets;  // nullptr: none
-  bool float_x;          // x as it is, not quantized (accuracy_level 0 / 1: --verify's check)
+  // float16 (their bits) instead: scales, and minimums for offsets (the layout above); 4 bits
+  const uint16_t* half_scales;
+  const uint16_t* minimums;
+  bool float_x;  // x as it is, not quantized (accuracy_level 0 / 1: --verify's check)
   // y [m, n] cut by columns: output o is y[o] [m, columns[o]] (multiples of kQuantTile but
   // the last), `outputs` of them
   float* y[kMaxOutputs];

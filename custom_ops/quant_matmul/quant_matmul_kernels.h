@@ -4,6 +4,7 @@
 // Runtime types.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -40,6 +41,8 @@ struct TileArgs {
   const float* scales;   // the strip's, block 0 (a block's 64 columns later: the next)
   const uint8_t* zeros;
   const float* offsets;
+  const uint16_t* half_scales;  // float16 scales and minimums instead (4 bits)
+  const uint16_t* minimums;
   int64_t row, columns;  // first row; columns of its output from the strip's first on
   float* y;              // the output at [row, the strip's first column]
   int64_t ldy;           // the output's row stride
@@ -49,6 +52,32 @@ struct TileArgs {
 };
 
 using TileFn = void (*)(const Problem&, const TileArgs&);
+
+// A float16's bits as float32, exactly.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float v;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    v = std::ldexp(static_cast<float>(mantissa), -24);
+  } else {
+    const uint32_t bits = (exponent == 31 ? 0xFFu << 23 : (exponent + 112) << 23) | mantissa << 13;
+    std::memcpy(&v, &bits, sizeof v);
+  }
+  return h & 0x8000 ? -v : v;
+}
+
+// The scale at `at` of the strip's scales (block b's columns from b * 64).
+inline float ScaleAt(const TileArgs& t, int64_t at) {
+  return t.half_scales ? HalfToFloat(t.half_scales[at]) : t.scales[at];
+}
+
+// The offset there (s: the scale there): as stored, or minimum + 8 * scale; 0 without either.
+inline float OffsetAt(const TileArgs& t, int64_t at, float s) {
+  if (t.minimums) return std::fma(8.0f, s, HalfToFloat(t.minimums[at]));
+  return t.offsets ? t.offsets[at] : 0.0f;
+}
+
+inline bool HasOffsets(const TileArgs& t) { return t.offsets || t.minimums; }
 
 // The kernels of one weight width on one ISA.
 struct TileKernels {
@@ -68,6 +97,46 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline __m51
     __m512i acc, __m512i codes, __m512i x) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
   return acc;
+}
+
+// ScaleAt and OffsetAt for the 8 columns from `at`, kHalf: t's float16 numbers (a template
+// argument: a branch per block made the 2-4-row AVX2 kernel about 6 % slower on Zen 3).
+template <bool kHalf>
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline __m256 ScalesAvx2(const TileArgs& t,
+                                                                                  int64_t at) {
+  if (kHalf)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.half_scales + at)));
+  return _mm256_loadu_ps(t.scales + at);
+}
+
+template <bool kHalf>
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline __m256 OffsetsAvx2(
+    const TileArgs& t, int64_t at, __m256 s) {
+  if (kHalf)
+    return _mm256_fmadd_ps(
+        _mm256_set1_ps(8.0f), s,
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.minimums + at))));
+  return _mm256_loadu_ps(t.offsets + at);
+}
+
+// ... and for the 16 columns from `at`.
+template <bool kHalf>
+__attribute__((target("arch=x86-64-v4"), always_inline)) inline __m512 ScalesAvx512(
+    const TileArgs& t, int64_t at) {
+  if (kHalf)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.half_scales + at)));
+  return _mm512_loadu_ps(t.scales + at);
+}
+
+template <bool kHalf>
+__attribute__((target("arch=x86-64-v4"), always_inline)) inline __m512 OffsetsAvx512(
+    const TileArgs& t, int64_t at, __m512 s) {
+  if (kHalf)
+    return _mm512_fmadd_ps(
+        _mm512_set1_ps(8.0f), s,
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.minimums + at))));
+  return _mm512_loadu_ps(t.offsets + at);
 }
 
 // The first `columns` (1 to 8) of v at out: a whole register, or the tile's last columns.

@@ -9,6 +9,7 @@ namespace ort_lora {
 namespace {
 
 constexpr auto kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto kF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto kU8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 enum Input { kX, kCodes, kScales, kZeros, kOffsets, kNumInputs };
 
@@ -92,9 +93,15 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
     Fail("input 'x' must have last dim K = ", k_, ", got shape ", ShapeStr(x.shape));
   const int64_t tiles = (n_ + kQuantTile - 1) / kQuantTile, blocks = k_ / block_size_;
   ExpectTiled(in[kCodes], "codes", kU8, {tiles, blocks, block_size_ * bits_ / 32, 4 * kQuantTile});
-  ExpectTiled(in[kScales], "scales", kF32, {tiles, blocks, kQuantTile});
+  // float16 scales (and minimums for offsets): a GGUF file's own numbers, 4 bits, no zeros
+  const bool half = in[kScales].present && in[kScales].type == kF16;
+  if (half && (bits_ != 4 || in[kZeros].present))
+    Fail("float16 'scales' need bits 4 and no 'zeros' input (GGUF Q4_0 / Q4_1 blocks)");
+  const auto scale_type = half ? kF16 : kF32;
+  ExpectTiled(in[kScales], "scales", scale_type, {tiles, blocks, kQuantTile});
   if (in[kZeros].present) ExpectTiled(in[kZeros], "zeros", kU8, {tiles, blocks, kQuantTile});
-  if (in[kOffsets].present) ExpectTiled(in[kOffsets], "offsets", kF32, {tiles, blocks, kQuantTile});
+  if (in[kOffsets].present)
+    ExpectTiled(in[kOffsets], "offsets", scale_type, {tiles, blocks, kQuantTile});
 
   if (ctx.GetOutputCount() != splits_.size())
     Fail("the node has ", ctx.GetOutputCount(), " outputs; attribute 'splits' names ",
@@ -109,9 +116,16 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   a.block_size = block_size_;
   a.bits = static_cast<int>(bits_);
   a.codes = in[kCodes].value.GetTensorData<uint8_t>();
-  a.scales = in[kScales].value.GetTensorData<float>();
+  const bool offsets = in[kOffsets].present;
+  if (half) {
+    a.half_scales = static_cast<const uint16_t*>(in[kScales].value.GetTensorRawData());
+    a.minimums =
+        offsets ? static_cast<const uint16_t*>(in[kOffsets].value.GetTensorRawData()) : nullptr;
+  } else {
+    a.scales = in[kScales].value.GetTensorData<float>();
+    a.offsets = offsets ? in[kOffsets].value.GetTensorData<float>() : nullptr;
+  }
   a.zeros = in[kZeros].present ? in[kZeros].value.GetTensorData<uint8_t>() : nullptr;
-  a.offsets = in[kOffsets].present ? in[kOffsets].value.GetTensorData<float>() : nullptr;
   a.float_x = float_x_;
   a.outputs = static_cast<int>(splits_.size());
   std::vector<int64_t> y_shape = x.shape;
@@ -130,6 +144,8 @@ OrtStatusPtr QuantMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInf
 }
 
 ONNXTensorElementDataType QuantMatMulOp::GetInputType(size_t index) const {
+  if (index == kScales || index == kOffsets)  // float32 or float16: checked at run time
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   return index == kCodes || index == kZeros ? kU8 : kF32;
 }
 

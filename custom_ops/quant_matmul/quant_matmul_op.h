@@ -9,6 +9,8 @@
 //    2 scales     float [ceil(N / 64), K / block_size, 64]
 //    3 zeros      uint8 [ceil(N / 64), K / block_size, 64]  optional (absent: 2^(bits - 1))
 //    4 offsets    float [ceil(N / 64), K / block_size, 64]  optional (absent: 0)
+//                 Or float16 scales and offsets (4 bits, no zeros: a GGUF file's Q4_0 / Q4_1
+//                 numbers), the offsets then the minimums m: W = code * scale + m
 // Outputs
 //    0 y          float [..., N], or with splits its first splits[0] columns
 //    1, 2         float [..., splits[1]], [..., splits[2]]: the next columns (with splits)
