@@ -82,10 +82,11 @@ GatherBlockQuantized and the LM head MatMulNBits, both at embedding_and_head_bit
 linear weights at accuracy_level 4 and the LM head of such an export are ort_lora.QuantMatMul
 instead (linear_op, head_op; the same numbers in 64-column tiles for int8 dot products, bits
 4 or 8, custom_ops/quant_matmul/quant_matmul_op.h, a GGUF Q4_1 offset as its input, not a
-branch; the embedding's GatherBlockQuantized keeps the MatMulNBits layout). Modules that
-read the same input (q/k/v, gate/up) share one product over their stacked rows, whose output
-a Split cuts into the modules' y (export/quant_graph.py). The graph's inputs and outputs,
-the pool and LoraSGMV are unchanged: LoraSGMV reads the float input x and adds its float32
+branch; 4-bit GGUF Q4_0 / Q4_1 blocks keep the file's float16 scales and minimums,
+ort_lora/quant_tiles.py; the embedding's GatherBlockQuantized keeps the MatMulNBits layout).
+Modules that read the same input (q/k/v, gate/up) share one product over their stacked rows,
+whose output a Split cuts into the modules' y (export/quant_graph.py). The graph's inputs and
+outputs, the pool and LoraSGMV are unchanged: LoraSGMV reads the float input x and adds its float32
 delta to the quantized projection's output. The entry records:
   weights, bits, block_size, accuracy_level, op, linear_op, head_op   what the graph runs
   quant_method            "rtn" or "hqq": how linear weights not carried over from a GGUF
@@ -138,9 +139,10 @@ OPS_DOMAIN = "ort_lora"
 MANIFEST_NAME = "ort_lora_manifest.json"
 # The exporter's op set: raised when exports start using something new of the ops (0.2.0:
 # LoraSGMV nodes over several modules, QuantMatMul over 8-bit weights; 0.3.0: LoraSGMV's
-# row_types, each adapter's rows of its own type). Older exports keep running; caches that
+# row_types, each adapter's rows of its own type; 0.4.0: QuantMatMul's float16 scales and
+# minimums, a GGUF file's own Q4_0 / Q4_1 numbers). Older exports keep running; caches that
 # export for speed (the default model, benchmark models) redo them.
-OPS_VERSION = "0.3.0"
+OPS_VERSION = "0.4.0"
 MODEL_NAME = "model.onnx"
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

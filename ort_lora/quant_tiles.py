@@ -10,6 +10,11 @@ low nibble and k + 4 + i in its high one. 8 bits: chunk j holds the 4 values of 
 b * block_size + 4 j, byte i holding k + i. Either way a 64-byte line is 16 columns' codes for
 one AVX-512 register. Per column and block: scale, zero point (absent: 2 ** (bits - 1)) and
 offset (absent: 0); W[n, k] = (code - zero) * scale + offset.
+
+Where float16 holds them exactly (4 bits, no zero points: a GGUF file's Q4_0 / Q4_1 blocks,
+whose d and m are float16), scales are stored in float16 and offsets as float16 minimums m, the
+weights at code 0, with offset = m + 8 * scale in float32: 0.625 bytes a weight instead of 0.75
+for the same W, and QuantMatMul computes the same y bit for bit.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ TILE = 64  # columns per tile
 @dataclass(frozen=True)
 class TiledBlocks:
     codes: np.ndarray  # uint8 [tiles, K / block, block * bits / 32, 4 * TILE]
-    scales: np.ndarray  # float32 [tiles, K / block, TILE]
+    scales: np.ndarray  # float32 (or float16) [tiles, K / block, TILE]
     zeros: np.ndarray | None  # uint8 [tiles, K / block, TILE]; None: 2 ** (bits - 1)
-    offsets: np.ndarray | None  # float32 [tiles, K / block, TILE]; None: 0
+    offsets: np.ndarray | None  # float32 (float16: minimums) [tiles, K / block, TILE]; None: 0
     bits: int = 4  # the codes' width: 4 or 8
 
     @property
@@ -56,18 +61,41 @@ def tile(codes, scales, zeros, offsets, block_size: int, bits: int = 4) -> Tiled
         return np.ascontiguousarray(out.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
 
     chunks = block_size * bits // 32
+    scales, offsets = per_column(scales, np.float32), per_column(offsets, np.float32)
+    if bits == 4 and zeros is None:
+        scales, offsets = _in_float16(scales, offsets) or (scales, offsets)
     return TiledBlocks(
         codes=np.ascontiguousarray(packed.reshape(tiles, blocks, chunks, 4 * TILE)),
-        scales=per_column(scales, np.float32),
+        scales=scales,
         zeros=per_column(zeros, np.uint8),
-        offsets=per_column(offsets, np.float32),
+        offsets=offsets,
         bits=bits,
     )
 
 
+def _in_float16(scales: np.ndarray, offsets: np.ndarray | None) -> tuple | None:
+    """(float16 scales, float16 minimums or None) that give exactly these float32 scales and
+    offsets (offset = minimum + 8 * scale, rounded once to float32), or None."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        half = scales.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), scales):
+            return None
+        if offsets is None:
+            return half, None
+        minimums = (offsets - np.float32(8) * scales).astype(np.float16)
+        if not np.array_equal(_offsets(half, minimums), offsets):
+            return None
+    return half, minimums
+
+
+def _offsets(scales: np.ndarray, minimums: np.ndarray) -> np.ndarray:
+    """The float32 offsets of float16 scales and minimums: m + 8 * scale."""
+    return minimums.astype(np.float32) + np.float32(8) * scales.astype(np.float32)
+
+
 def untile(t: TiledBlocks, n: int) -> tuple:
     """tile's inverse for the first n columns: (codes uint8 [n, K], scales, zeros or None,
-    offsets or None [n, K / block]) and the block size."""
+    offsets or None [n, K / block], scales and offsets float32) and the block size."""
     tiles, blocks, chunks, _ = t.codes.shape
     b = t.codes.reshape(tiles, blocks, chunks, TILE, 4).transpose(0, 3, 1, 2, 4)
     if t.bits == 4:
@@ -79,7 +107,11 @@ def untile(t: TiledBlocks, n: int) -> tuple:
             return None
         return np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, blocks)[:n])
 
-    return codes, per_row(t.scales), per_row(t.zeros), per_row(t.offsets), t.block_size
+    scales, offsets = t.scales, t.offsets
+    if scales.dtype == np.float16:
+        offsets = None if offsets is None else _offsets(scales, offsets)
+        scales = scales.astype(np.float32)
+    return codes, per_row(scales), per_row(t.zeros), per_row(offsets), t.block_size
 
 
 def dequantize(t: TiledBlocks, n: int) -> np.ndarray:

@@ -263,6 +263,28 @@ def test_gguf_export_carries_blocks_over(tiny_gguf, tmp_path, weights):
     assert verify_export(tiny_gguf, out) <= ATOL
 
 
+def test_gguf_blocks_tile_in_float16(tiny_gguf, tmp_path):
+    """At accuracy_level 4, QuantMatMul's tiles keep the GGUF file's float16 scales and
+    minimums where every part of a product has them (Q4_0, Q4_1 blocks), float32 elsewhere,
+    and read back as exactly the weights of the MatMulNBits export (float32 offsets); at
+    accuracy_level 0 (float inputs) the export matches transformers on them."""
+    from ort_lora.export.quant_reference import exported_weights
+
+    tiles = export_quantized(tiny_gguf, tmp_path / "tiles", "int4", 4)
+    nbits = export_quantized(tiny_gguf, tmp_path / "nbits", "int4", 0)
+    model = onnx.load(str(tiles / "model.onnx"), load_external_data=False)
+    types = {}
+    for init in model.graph.initializer:
+        kind = init.name.rsplit("/", 1)[-1]
+        types.setdefault(kind, set()).add(onnx.TensorProto.DataType.Name(init.data_type))
+    assert types["tile_scales"] == {"FLOAT16", "FLOAT"}
+    ours, theirs = exported_weights(tiles), exported_weights(nbits)
+    assert ours.keys() == theirs.keys()
+    for name, q in ours.items():
+        assert np.array_equal(q.dequantize(), theirs[name].dequantize()), name
+    assert verify_export(tiny_gguf, tiles, accuracy_level=0) <= ATOL
+
+
 def test_verify_checks_the_weights_and_reports_int8_inputs(tiny_llama_checkpoint, tmp_path, capsys):
     """--verify on an int4 export (accuracy_level 4): checked at accuracy_level 0 against
     transformers on the dequantized weights, the served level's difference printed beside."""

@@ -84,11 +84,11 @@ class QuantGraph:
         output cut by columns into `splits` (all but the last multiples of quant_tiles.TILE)."""
         t = tile_blocks(q)
         inputs = [x, self._init(f"{weight}{QUANT}tiles", t.codes, "uint8")]
-        inputs.append(self._init(f"{weight}{QUANT}tile_scales", t.scales, "float32"))
-        for field, dtype in (("zeros", "uint8"), ("offsets", "float32")):
+        inputs.append(self._init(f"{weight}{QUANT}tile_scales", t.scales, t.scales.dtype.name))
+        for field in ("zeros", "offsets"):
             data = getattr(t, field)
-            init = None if data is None else self._init(f"{weight}{QUANT}tile_{field}", data, dtype)
-            inputs.append(init or "")
+            name = f"{weight}{QUANT}tile_{field}"
+            inputs.append("" if data is None else self._init(name, data, data.dtype.name))
         while inputs[-1] == "":
             inputs.pop()
         n, k = q.shape
