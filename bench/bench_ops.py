@@ -13,7 +13,7 @@
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
                   MatMul, and the same weights in the default model's GGUF Q4_1 form (a
-                  float offset per block for the zero points: gguf_*),
+                  float16 scale and minimum per block for the zero points: gguf_*),
                   SmolLM2's projections, 30 layers' weights per run (as a decode step reads
                   them: past the caches), and its 8-bit LM head (symmetric, block 32,
                   vocab 49,152 x 576, 4 copies per run) -> speedup per product, and its rate
@@ -496,7 +496,8 @@ def quant_session(
     kind "quant" (ort_lora.QuantMatMul), "nbits" (com.microsoft.MatMulNBits, accuracy_level 4;
     weights as initializers: MLAS quantizes x to int8 only for weights it prepacked), "f32",
     or "gguf": QuantMatMul on the same weights in the default model's form, GGUF Q4_1's (no
-    zero points, a float offset per block: (8 - zero) * scale, so W is the same).
+    zero points; per block a float16 scale d and minimum m = -zero * d, w = d * code + m, as a
+    GGUF file stores them: W as the zero points', d rounded to float16).
     bits 4: asymmetric (zero points), as an int4 export of a float checkpoint; 8: symmetric,
     as the LM head.
     library: the op library's file to register instead of this checkout's."""
@@ -516,8 +517,9 @@ def quant_session(
             attrs["domain"] = "com.microsoft"
         else:
             if kind == "gguf":
-                offsets = ((8.0 - q.zeros.astype(np.float32)) * q.scales).astype(np.float32)
-                q = dataclasses.replace(q, zeros=None, offsets=offsets)
+                d = q.scales.astype(np.float16).astype(np.float32)
+                m = (-q.zeros.astype(np.float32) * d).astype(np.float16).astype(np.float32)
+                q = dataclasses.replace(q, scales=d, zeros=None, offsets=m + np.float32(8) * d)
             t = tile_blocks(q)
             arrays = {"b": t.codes, "s": t.scales, "z": t.zeros, "o": t.offsets}
             op, attrs = "QuantMatMul", dict(bits=bits, block_size=32, domain=ort_lora.OPS_DOMAIN)
@@ -591,10 +593,10 @@ def quant_cases(quick: bool):
 
 
 def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None):
-    """4 bits: QuantMatMul on the weights in the default model's form too (gguf_*: the same W,
-    GGUF Q4_1's offsets for the zero points). against: another op library's file, whose
-    QuantMatMul runs the same weights in turn with this checkout's (vs_library: its time /
-    this one's; their outputs must agree exactly)."""
+    """4 bits: QuantMatMul on the weights in the default model's form too (gguf_*: the same W
+    as GGUF Q4_1 blocks, float16 scales and minimums for the zero points). against: another
+    op library's file, whose QuantMatMul runs the same weights in turn with this checkout's
+    (vs_library: its time / this one's; their outputs must agree exactly)."""
     rng = np.random.default_rng(seed)
     x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
     kinds = ("quant", "nbits", "f32")
