@@ -192,13 +192,15 @@ def test_tiles_read_back(bits, kind, rng):
     np.testing.assert_allclose(quant_tiles.dequantize(t, 100), q.dequantize(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [200, 1100])
 @pytest.mark.parametrize("rows", [1, 3, 32, 70])
 @pytest.mark.parametrize("offsets", [False, True], ids=["q4_0", "q4_1"])
-def test_float16_tiles_give_the_same_y(offsets, rows, rng):
+def test_float16_tiles_give_the_same_y(offsets, rows, n, rng):
     """A GGUF file's numbers tile in float16 (scales, and minimums for the offsets), and y is
     bit for bit what the float32 tiles of the same weights give (offset = m + 8 d rounded once
-    in both)."""
-    q = weights(rng, 200, 96, 32, zeros=False, offsets=offsets, gguf=True)
+    in both), whether the kernels read them as they are (few rows) or as each work item widens
+    them for its row groups (more rows; 1100 columns: work items of several tiles)."""
+    q = weights(rng, n, 96, 32, zeros=False, offsets=offsets, gguf=True)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     feeds = feeds_of(q, x)
     assert feeds["scales"].dtype == np.float16
@@ -207,7 +209,7 @@ def test_float16_tiles_give_the_same_y(offsets, rows, rng):
     wide = dict(feeds, scales=feeds["scales"].astype(np.float32))
     if offsets:
         wide["offsets"] = feeds["offsets"].astype(np.float32) + np.float32(8) * wide["scales"]
-    attrs = dict(K=96, N=200, block_size=32, bits=4)
+    attrs = dict(K=96, N=n, block_size=32, bits=4)
     for level in (0, 4):  # float x, then int8 x
         half, full = (
             session(signature(f), accuracy_level=level, **attrs).run(None, f)[0]
