@@ -25,7 +25,8 @@
                   vs_f32 is with both at the same share of their roofs); with the AVX2
                   kernels, the 4-bit rows' rate against their own inner loop run alone on
                   data in L1 (of_q4_loop: what scales, memory and the op around it cost);
-                  with --against-library, the same op of another build in turn (vs_library)
+                  with --against-library, the same op of another build in turn (vs_library;
+                  gguf_vs_library: the default model's form)
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -596,7 +597,8 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
     """4 bits: QuantMatMul on the weights in the default model's form too (gguf_*: the same W
     as GGUF Q4_1 blocks, float16 scales and minimums for the zero points). against: another
     op library's file, whose QuantMatMul runs the same weights in turn with this checkout's
-    (vs_library: its time / this one's; their outputs must agree exactly)."""
+    (vs_library: its time / this one's; gguf_vs_library the same for the model's form; their
+    outputs must agree exactly)."""
     rng = np.random.default_rng(seed)
     x = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
     kinds = ("quant", "nbits", "f32")
@@ -614,21 +616,26 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
         for a, b in zip(ours, gguf_session.run(None, x)):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-2 * np.abs(a).max())
         sessions.append(gguf_session)
-    if against:  # the first session's weights
-        other = quant_session("quant", k, n, bits, layers, first_weights(), against)
-        mismatch = [
-            i for i, (a, b) in enumerate(zip(ours, other.run(None, x))) if not np.array_equal(a, b)
-        ]
+    mine = {"quant": sessions[0]} | ({"gguf": sessions[3]} if bits == 4 else {})
+    twins = list(mine) if against else []
+    for kind in twins:  # the first session's weights, on `against`
+        other = quant_session(kind, k, n, bits, layers, first_weights(), against)
+        pairs = zip(mine[kind].run(None, x), other.run(None, x))
+        mismatch = [i for i, (a, b) in enumerate(pairs) if not np.array_equal(a, b)]
         if mismatch:
-            raise SystemExit(f"{name}: outputs {mismatch} differ from {against}'s")
+            raise SystemExit(f"{name} ({kind}): outputs {mismatch} differ from {against}'s")
         sessions.append(other)
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
     (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times[:3]]
-    gguf = {}
+    gguf, extra = {}, {}
     if bits == 4:
         g = times[3][0] / layers
         gguf = {"gguf_ms": g * 1e3, "gguf_vs_nbits": nbits / g, "gguf_vs_f32": f32 / g}
-    extra = {"vs_library": times[-1][0] / layers / quant} if against else {}
+    if twins:
+        theirs = {kind: m / layers for kind, (m, _) in zip(twins, times[-len(twins) :])}
+        extra = {"vs_library": theirs["quant"] / quant}
+        if "gguf" in theirs:
+            extra["gguf_vs_library"] = theirs["gguf"] / g
     return {
         "case": name,
         "rows": rows,
@@ -866,7 +873,7 @@ def main(argv=None) -> int:
     cols += ["vs_f32", "gguf_ms", "gguf_vs_nbits", "gguf_vs_f32", "quant_gops", "of_roof"]
     cols += ["f32_gflops", "f32_of_roof"]
     cols += ["of_q4_loop"] if loop_gops else []
-    cols += ["vs_library"] if args.against_library else []
+    cols += ["vs_library", "gguf_vs_library"] if args.against_library else []
     title = "QuantMatMul vs MatMulNBits (accuracy_level 4) and float32 MatMul, block 32"
     title += f" ({quant_isa()} kernels; per product, medians of paired runs; vs_* = their time"
     title += " / QuantMatMul's; gguf_* = QuantMatMul on the same weights in the default model's"

@@ -82,9 +82,10 @@ def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops):
 
 
 def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_path):
-    """--against-library: the other build's QuantMatMul on the first session's weights (its
-    outputs are checked to agree exactly before timing, so other weights would stop the run),
-    timed in turn; a copy of this checkout's library stands in for another build."""
+    """--against-library: the other build's QuantMatMul on the first session's weights, in
+    both forms for 4 bits (its outputs are checked to agree exactly before timing, so other
+    weights would stop the run), timed in turn; a copy of this checkout's library stands in
+    for another build."""
     import shutil
     import time
 
@@ -93,7 +94,9 @@ def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_
     other = tmp_path / "other.so"
     shutil.copy(ort_lora.library_path(), other)
     row = bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter, against=str(other))
-    assert row["vs_library"] > 0
+    assert row["vs_library"] > 0 and row["gguf_vs_library"] > 0
+    head = bench_ops.bench_quant("t", 3, 64, 80, 8, 2, 2, 0, time.perf_counter, against=str(other))
+    assert head["vs_library"] > 0 and "gguf_vs_library" not in head
     assert "vs_library" not in bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
 
 
