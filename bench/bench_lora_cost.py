@@ -133,6 +133,22 @@ def measure(sets: dict, rounds: int) -> dict:
     return runs
 
 
+def run_doc(program: str, threads: int, **fields) -> dict:
+    """A result file's head: the command that made it (bench/`program` with this process's
+    arguments), date, CPU, ISA, threads, `fields`, and the load average now."""
+    from ort_lora.bench.cli import cpu_isa, cpu_name
+
+    return {
+        "command": f"python bench/{program} " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpu": cpu_name(),
+        "isa": cpu_isa(),
+        "threads": threads,
+        **fields,
+        "loadavg_start": os.getloadavg(),
+    }
+
+
 def report(doc: dict) -> str:
     lines = [
         f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
@@ -204,8 +220,6 @@ def main(argv=None) -> int:
     if args.against_library and not Path(args.against_library).is_file():
         p.error(f"--against-library: no such file {args.against_library!r}")
 
-    from ort_lora.bench.cli import cpu_isa, cpu_name
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_ops import share_one_pool
 
@@ -222,17 +236,13 @@ def main(argv=None) -> int:
                     models[n], adapters[s], args.threads, args.against_library
                 )[0]
             sets[n if len(saved) == 1 else f"{n}, saved {s}"] = (engines, loras)
-    doc = {
-        "command": "python bench/bench_lora_cost.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "cpu": cpu_name(),
-        "isa": cpu_isa(),
-        "threads": args.threads,
-        "adapter_dtype": args.adapter_dtype,
-        "saved": args.saved,
-        "against_library": args.against_library,
-        "loadavg_start": os.getloadavg(),
-    }
+    doc = run_doc(
+        "bench_lora_cost.py",
+        args.threads,
+        adapter_dtype=args.adapter_dtype,
+        saved=args.saved,
+        against_library=args.against_library,
+    )
     doc["exports"] = measure(sets, args.rounds)
     doc["loadavg_end"] = os.getloadavg()
     out = Path(args.out)
