@@ -105,14 +105,23 @@ def serve_in_turn(engines: dict, loras: list, tag: str) -> dict[str, float]:
     machine's speed falls on all alike."""
     for role, eng in engines.items():
         submit(eng, None if role == "base" else loras, f"{tag}-{role}")
+    spent = step_in_turn(engines)[0]
+    return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
+
+
+def step_in_turn(engines: dict) -> tuple[dict[str, float], dict[str, list]]:
+    """Steps the engines (role -> engine) in turn until none has requests left: the seconds
+    each spent in its own steps, and the outputs of the requests each finished."""
     spent = dict.fromkeys(engines, 0.0)
+    finished = {role: [] for role in engines}
     while any(eng.has_unfinished_requests() for eng in engines.values()):
         for role, eng in engines.items():
             if eng.has_unfinished_requests():
                 start = time.perf_counter()
-                eng.step()
+                outs = eng.step()
                 spent[role] += time.perf_counter() - start
-    return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
+                finished[role] += [o for o in outs if o.finished]
+    return spent, finished
 
 
 def measure(sets: dict, rounds: int) -> dict:

@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 PROMPT, NEW_TOKENS, REQUESTS = 8, 64, 4  # requests a round, one at a time
@@ -34,7 +33,8 @@ def strip_lora_nodes(model_dir: Path, out_dir: Path) -> Path:
     """A copy of the export in model_dir at out_dir without LoraSGMV nodes: wherever a node's
     output m is read, its input y_m is read instead (ort_lora.contract.lora_sgmv_module_inputs),
     and the graph inputs nothing reads any more are dropped. The other files are copied (ONNX
-    Runtime reads external data only from the model's own directory)."""
+    Runtime reads external data only from the model's own directory; onnx refuses external
+    data with several hard links)."""
     import onnx
 
     from ort_lora import contract as C
@@ -84,18 +84,17 @@ def one_at_a_time(engines: dict, tag: str) -> tuple[dict[str, float], dict[str, 
     """Output tok/s of REQUESTS requests, one at a time, on each engine, each engine's request
     stepped in turn with the others' and each rate counting only its own engine's steps; and
     the (greedy) tokens each engine generated."""
+    from bench_lora_cost import step_in_turn
+
     spent = dict.fromkeys(engines, 0.0)
     tokens = {role: [] for role in engines}
     for i, prompt in enumerate(prompts(REQUESTS)):
         for role, eng in engines.items():
             eng.add_request(f"{tag}-{role}-{i}", prompt, params(NEW_TOKENS), None)
-        while any(eng.has_unfinished_requests() for eng in engines.values()):
-            for role, eng in engines.items():
-                if eng.has_unfinished_requests():
-                    start = time.perf_counter()
-                    outs = eng.step()
-                    spent[role] += time.perf_counter() - start
-                    tokens[role] += [list(o.outputs[0].token_ids) for o in outs if o.finished]
+        seconds, finished = step_in_turn(engines)
+        for role in engines:
+            spent[role] += seconds[role]
+            tokens[role] += [list(o.outputs[0].token_ids) for o in finished[role]]
     return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}, tokens
 
 

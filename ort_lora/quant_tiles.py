@@ -83,13 +83,14 @@ def _in_float16(scales: np.ndarray, offsets: np.ndarray | None) -> tuple | None:
         if offsets is None:
             return half, None
         minimums = (offsets - np.float32(8) * scales).astype(np.float16)
-        if not np.array_equal(_offsets(half, minimums), offsets):
+        if not np.array_equal(offsets_of(half, minimums), offsets):
             return None
     return half, minimums
 
 
-def _offsets(scales: np.ndarray, minimums: np.ndarray) -> np.ndarray:
-    """The float32 offsets of float16 scales and minimums: m + 8 * scale."""
+def offsets_of(scales: np.ndarray, minimums: np.ndarray) -> np.ndarray:
+    """The float32 offsets of float16 scales d and minimums m (a GGUF Q4_1 block's): m + 8 d,
+    rounded once, as QuantMatMul forms them from float16 tiles."""
     return minimums.astype(np.float32) + np.float32(8) * scales.astype(np.float32)
 
 
@@ -109,7 +110,7 @@ def untile(t: TiledBlocks, n: int) -> tuple:
 
     scales, offsets = t.scales, t.offsets
     if scales.dtype == np.float16:
-        offsets = None if offsets is None else _offsets(scales, offsets)
+        offsets = None if offsets is None else offsets_of(scales, offsets)
         scales = scales.astype(np.float32)
     return codes, per_row(scales), per_row(t.zeros), per_row(offsets), t.block_size
 

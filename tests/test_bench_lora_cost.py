@@ -30,8 +30,9 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return self.pending > 0
 
-    def step(self):
+    def step(self):  # LLMEngine.step's outputs: none finish here
         self.pending = 0
+        return []
 
 
 def test_requests_go_to_adapter_i_mod_16_decode_heavy(bench):
@@ -57,6 +58,7 @@ class StepsEngine(FakeEngine):
     def step(self):
         self.log.append(self.name)
         self.steps -= 1
+        return []
 
 
 def test_the_engines_step_in_turn_base_without_adapters(bench):

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/float16.h"
 #include "lora_sgmv/lora_sgmv_plan.h"
 #include "lora_sgmv/lora_sgmv_read_ahead.h"
 
@@ -68,26 +69,9 @@ struct Half {
   uint16_t bits;
 };
 
-// float16 -> float32, exact for every value (subnormals, infinities, NaN): the scalar tails and
-// the baseline clone. The AVX2 / AVX-512 clones convert lanes with vcvtph2ps (F16C: every CPU
-// with AVX2 has it).
-ORT_LORA_INLINE float ToFloat(Half h) {
-  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
-  const uint32_t exponent = (h.bits >> 10) & 0x1Fu, mantissa = h.bits & 0x3FFu;
-  uint32_t w;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    __builtin_memcpy(&w, &magnitude, sizeof(w));
-    w |= sign;
-  } else if (exponent == 0x1F) {  // infinity or NaN
-    w = sign | 0x7F800000u | (mantissa << 13);
-  } else {
-    w = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float f;
-  __builtin_memcpy(&f, &w, sizeof(f));
-  return f;
-}
+// float16 -> float32 (common/float16.h): the scalar tails and the baseline clone. The AVX2 /
+// AVX-512 clones convert lanes with vcvtph2ps (F16C: every CPU with AVX2 has it).
+ORT_LORA_INLINE float ToFloat(Half h) { return HalfToFloat(h.bits); }
 
 template <typename V>
 ORT_LORA_INLINE V Load(const Half* p) {

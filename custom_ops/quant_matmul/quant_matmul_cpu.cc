@@ -521,32 +521,25 @@ __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, co
 // each convert them again. AVX2 and baseline only: with the AVX2 kernels 1-5 % faster at 32
 // and 512 rows (bench_ops --against-library, Zen 5 capped at AVX2), with the AVX-512 ones
 // no faster (their conversions cost nothing measurable there).
-using WidenFn = void (*)(const uint16_t* scales, const uint16_t* minimums, int64_t n,
-                         float* wide_scales, float* offsets);
+// `half`: the float16 numbers of the item's first tile (its scales and minimums; n of them, a
+// multiple of kQuantTile: whole tiles), widened through ScaleAt / OffsetAt or their vectors.
+using WidenFn = void (*)(const TileArgs& half, int64_t n, float* scales, float* offsets);
 
-void WidenBase(const uint16_t* scales, const uint16_t* minimums, int64_t n, float* wide_scales,
-               float* offsets) {
+void WidenBase(const TileArgs& half, int64_t n, float* scales, float* offsets) {
   for (int64_t i = 0; i < n; ++i) {
-    wide_scales[i] = HalfToFloat(scales[i]);
-    if (minimums) offsets[i] = std::fma(8.0f, wide_scales[i], HalfToFloat(minimums[i]));
+    scales[i] = ScaleAt(half, i);
+    if (half.minimums) offsets[i] = OffsetAt(half, i, scales[i]);
   }
 }
 
 #ifdef ORT_LORA_QUANT_X86
-__attribute__((target("arch=x86-64-v3"))) void WidenAvx2(const uint16_t* scales,
-                                                         const uint16_t* minimums, int64_t n,
-                                                         float* wide_scales, float* offsets) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + i)));
-    _mm256_storeu_ps(wide_scales + i, s);
-    if (minimums) {
-      const __m256 m =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + i)));
-      _mm256_storeu_ps(offsets + i, _mm256_fmadd_ps(_mm256_set1_ps(8.0f), s, m));
-    }
+__attribute__((target("arch=x86-64-v3"))) void WidenAvx2(const TileArgs& half, int64_t n,
+                                                         float* scales, float* offsets) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 s = ScalesAvx2<true>(half, i);
+    _mm256_storeu_ps(scales + i, s);
+    if (half.minimums) _mm256_storeu_ps(offsets + i, OffsetsAvx2<true>(half, i, s));
   }
-  WidenBase(scales + i, minimums ? minimums + i : nullptr, n - i, wide_scales + i, offsets + i);
 }
 #endif
 
@@ -687,8 +680,10 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
     if (a.half_scales && all.widen && !tile_major && row_end - chunk * kChunkRows > kernels.rows) {
       thread_local std::vector<float> buffer;
       buffer.resize(2 * half_n);
-      all.widen(a.half_scales + half_at, a.minimums ? a.minimums + half_at : nullptr, half_n,
-                buffer.data(), buffer.data() + half_n);
+      TileArgs half{};
+      half.half_scales = a.half_scales + half_at;
+      half.minimums = a.minimums ? a.minimums + half_at : nullptr;
+      all.widen(half, half_n, buffer.data(), buffer.data() + half_n);
       widened = buffer.data();
     }
     const auto row_group = [&](int64_t row, int64_t tile, bool prefetch) {

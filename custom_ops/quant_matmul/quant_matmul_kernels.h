@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/float16.h"
 #include "quant_matmul/quant_matmul_cpu.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -52,19 +53,6 @@ struct TileArgs {
 };
 
 using TileFn = void (*)(const Problem&, const TileArgs&);
-
-// A float16's bits as float32, exactly.
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  float v;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
-    v = std::ldexp(static_cast<float>(mantissa), -24);
-  } else {
-    const uint32_t bits = (exponent == 31 ? 0xFFu << 23 : (exponent + 112) << 23) | mantissa << 13;
-    std::memcpy(&v, &bits, sizeof v);
-  }
-  return h & 0x8000 ? -v : v;
-}
 
 // The scale at `at` of the strip's scales (block b's columns from b * 64).
 inline float ScaleAt(const TileArgs& t, int64_t at) {

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ort_lora.export.quant import BlockQuantized, pack_codes
+from ort_lora.quant_tiles import offsets_of
 
 GGUF_BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -51,8 +52,7 @@ def map_blocks(
         return _blocks(q + widen, bits, d, None, None, "gguf Q4_0")
     m = _f16(blocks[..., 2:4])
     if q4_1 == "offset":
-        offsets = (m + np.float32(8) * d).astype(np.float32)
-        return _blocks(q + widen, bits, d, None, offsets, "gguf Q4_1 (offset)")
+        return _blocks(q + widen, bits, d, None, offsets_of(d, m), "gguf Q4_1 (offset)")
     assert q4_1 == "zero_point", q4_1
     safe = np.where(d == 0, np.float32(1), d)
     zeros = np.clip(np.rint(-m / safe) + widen, 0, 2**bits - 1).astype(np.uint8)
