@@ -67,14 +67,16 @@ def build(
     return {n: made[n]() for n in names}, adapters
 
 
-def engine(model: Path, adapters: list, threads: int, library: str | None = None):
+def engine(model: Path, adapters: list, threads: int, library: str | None = None, base_graph=None):
     """An LLMEngine on `model` with every adapter registered (rows copied into the pool), its
-    ops from `library` (default: this build's)."""
+    ops from `library` (default: this build's), EngineConfig.base_graph `base_graph`."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
     from ort_lora.lora_request import LoRARequest
 
-    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=True)
+    config = EngineConfig(
+        max_num_seqs=64, max_num_batched_tokens=2048, preload_adapters=True, base_graph=base_graph
+    )
     override = {"ORT_LORA_LIBRARY": library} if library else {}
     with mock.patch.dict(os.environ, override):  # read once, when the session is made
         eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)

@@ -112,6 +112,11 @@ class EngineConfig:
                             inside a step
     enable_prefix_caching:  reuse the KV blocks of a prompt prefix already computed under the
                             same adapter content (docs/PREFIX_CACHING.md); vLLM's name
+    base_graph:             run the steps in which no row has an adapter on a second graph
+                            without LoraSGMV nodes, over the same weights and pool (CPU; the
+                            same logits, ~9 % faster one request at a time on an int4 export);
+                            None = where the weights are read in place, so that the second
+                            graph holds no copy of them (int4 QuantMatMul exports)
     """
 
     max_num_seqs: int = 64
@@ -127,6 +132,7 @@ class EngineConfig:
     prefetch_adapters: bool | None = None
     preload_adapters: bool = True
     enable_prefix_caching: bool = True
+    base_graph: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):

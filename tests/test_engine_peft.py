@@ -274,7 +274,7 @@ def test_no_step_touches_a_page_a_copy_lands_in(tiny_llama_export, adapter_dirs)
         copies.begin(Load(adapter_id, tuple(pages), object(), None, prefetch))
         return load(adapter_id, pages, write, prefetch)
 
-    def timed_run(inputs):
+    def timed_run(inputs, **kw):
         waited = set(copies.events_for_step())
         copies.retire(lambda event: event in waited)
         landing = {p for ld in copies.inflight for p in ld.pages}
@@ -283,7 +283,7 @@ def test_no_step_touches_a_page_a_copy_lands_in(tiny_llama_export, adapter_dirs)
         assert not (kv | read) & landing, "a step touches a page a copy still lands in"
         reused.append(bool(kv & loaded))  # an evicted adapter's page holds KV now
         loaded.update(p for a in plans[-1].loads + plans[-1].prefetch for p in a.pages)
-        return run(inputs)
+        return run(inputs, **kw)
 
     engine.scheduler.schedule, session.load_adapter, session.run = (
         recording_schedule, timed_load, timed_run,

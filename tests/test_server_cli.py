@@ -45,6 +45,8 @@ def test_engine_overrides():
     }
     no_preload = build_parser().parse_args(["m", "--no-preload-adapters"])
     assert engine_overrides(no_preload) == {"preload_adapters": False}
+    for flag, value in (("--base-graph", True), ("--no-base-graph", False)):
+        assert engine_overrides(build_parser().parse_args(["m", flag])) == {"base_graph": value}
     with pytest.raises(SystemExit):  # one pool size, not two
         build_parser().parse_args(["m", "--num-pages", "9", "--pool-memory-mb", "64"])
 

@@ -229,7 +229,7 @@ def test_a_broken_model_still_stops_the_engine(make_engine, monkeypatch):
     unhealthy."""
     engine = make_engine()
 
-    def broken(inputs):
+    def broken(inputs, **kw):
         raise RuntimeError("injected: the device is gone")
 
     monkeypatch.setattr(engine.runner.session, "run", broken)

@@ -65,11 +65,12 @@ def profile(spec: RunSpec, out_dir: Path) -> dict:
     ort_lora.session_options = profiled
     ort_lora_engine.build_engine = lambda s, w: engines.append(build(s, w)) or engines[-1]
     times, extra = ort_lora_engine.run(spec, spec.load)
-    trace_path = Path(engines[0].runner.session.ort_session.end_profiling())
-    trace = json.loads(trace_path.read_text())
+    # one trace per graph: the export's, and the base graph's (steps without adapters)
+    paths = [Path(g.session.end_profiling()) for g in engines[0].runner.session.graphs]
+    trace = [event for path in paths for event in json.loads(path.read_text())]
     ops, lora = op_times(trace), node_calls(trace, "LoraSGMV")
-    return {"label": spec.label, "trace": str(trace_path), "op_s": ops, "lora_nodes": lora,
-            "extra": extra}  # fmt: skip
+    return {"label": spec.label, "trace": [str(p) for p in paths], "op_s": ops,
+            "lora_nodes": lora, "extra": extra}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

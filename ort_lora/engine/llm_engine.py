@@ -77,7 +77,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool)
         self.registry = AdapterRegistry(self.manifest, config.max_cpu_loras, adapter_root)
         self.tracker = RequestTracker(self.scheduler, self.registry)
-        session = ModelSession(self.model_dir, self.num_pages, intra_op_num_threads, device=device)
+        session = ModelSession(
+            self.model_dir, self.num_pages, intra_op_num_threads, device, config.base_graph
+        )
         self.runner = ModelRunner(session, self.registry)
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         self.eos_token_ids = list(self.manifest.eos_token_ids)

@@ -5,8 +5,10 @@ pool pages, the plan becomes the graph's inputs (ort_lora/contract.py), ONNX Run
     failed = runner.load_adapters(plan)   # {adapter id: error} for files that no longer load
     logits = runner.run(plan)             # [plan.num_logit_rows, vocab]
 
-The engine drives it with the scheduler's plans; export --verify and tests with hand-made
-ones (step_plan.base_plan) and no registry (no adapters): the same path either way.
+A step in which no row has an adapter runs on the session's base graph when it has one
+(runtime/base_graph.py), without the LoRA inputs. The engine drives it with the scheduler's
+plans; export --verify and tests with hand-made ones (step_plan.base_plan) and no registry (no
+adapters): the same path either way.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ class ModelRunner:
         """Logits of the plan's logit rows [plan.num_logit_rows, vocab]; `times` gets the
         "inputs" (host) and "run" (ONNX Runtime) phases."""
         times = times or StepTimes()
+        adapters = plan.uses_adapters
         with times.phase("inputs"):
             inputs = build_metadata(plan, self.block_size, buffers=self.buffers)
-            segments = plan.segments if plan.has_composition else None
-            lora = self.registry.lora_step_inputs(plan.lora_slots, self.session.num_pages, segments)
-            inputs.update(lora)
+            if adapters or self.session.base is None:
+                segments = plan.segments if plan.has_composition else None
+                slots, pages = plan.lora_slots, self.session.num_pages
+                inputs.update(self.registry.lora_step_inputs(slots, pages, segments))
         with times.phase(RUN):
-            return self.session.run(inputs)
+            return self.session.run(inputs, adapters=adapters)

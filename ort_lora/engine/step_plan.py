@@ -104,6 +104,11 @@ class StepPlan:
         return [(a.slot, a.adapter_id, a.pages) for a in self.adapters]
 
     @property
+    def uses_adapters(self) -> bool:
+        """Some row has an adapter (or a composition of them)."""
+        return any(e.slot >= 0 or e.terms for e in self.entries)
+
+    @property
     def has_composition(self) -> bool:
         return any(e.terms for e in self.entries)
 

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse the KV cache of prompt prefixes already computed under the same adapter "
         "(default: on)",
     )
+    p.add_argument(
+        "--base-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the steps that use no adapter on a copy of the graph without its LoRA nodes "
+        "(default: where it shares the weights, i.e. int4 QuantMatMul exports on CPU)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request")
@@ -185,6 +192,7 @@ def engine_overrides(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line."""
     names = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
     names += ("max_model_len", "num_pages", "preload_adapters", "enable_prefix_caching")
+    names += ("base_graph",)
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.pool_memory_mb is not None:
         overrides["pool_memory_bytes"] = args.pool_memory_mb << 20
@@ -298,6 +306,7 @@ def served_summary(engine, args: argparse.Namespace, listener: socket.socket) ->
         f"pool {config.num_pages} pages of {config.block_size} tokens ({pool_mib:.0f} MiB), "
         f"max_loras {config.max_loras}, max_num_seqs {config.max_num_seqs}, "
         f"max_model_len {config.max_model_len}, prefix caching "
-        f"{'on' if config.enable_prefix_caching else 'off'}",
+        f"{'on' if config.enable_prefix_caching else 'off'}, base graph "
+        f"{'on' if inner.runner.session.base is not None else 'off'}",
         f"listening on http://{host}:{port} (OpenAI API under /v1)",
     ]

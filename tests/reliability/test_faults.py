@@ -41,11 +41,11 @@ def test_a_model_step_that_fails_once_fails_nobody(served, monkeypatch):
     session = served.engine.engine.runner.session
     run, calls = session.run, []
 
-    def fails_once(inputs):
+    def fails_once(inputs, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected: the model step failed")
-        return run(inputs)
+        return run(inputs, **kw)
 
     monkeypatch.setattr(session, "run", fails_once)
     r = served.post("/v1/completions", {"model": served.base, **GREEDY})
@@ -129,7 +129,7 @@ def test_steps_that_keep_failing_stop_the_engine_and_answer_everyone(
     with serve(tiny_llama_export, adapter_root, max_num_seqs=1) as served:
         session = served.engine.engine.runner.session
 
-        def broken(inputs):
+        def broken(inputs, **kw):
             raise RuntimeError("injected: the device is gone")
 
         monkeypatch.setattr(session, "run", broken)

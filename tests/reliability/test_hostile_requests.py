@@ -135,10 +135,10 @@ def test_cheap_routes_answer_during_a_long_step(served, monkeypatch):
     session = served.engine.engine.runner.session
     run, entered, release = session.run, threading.Event(), threading.Event()
 
-    def stalled(inputs):
+    def stalled(inputs, **kw):
         entered.set()
         release.wait(TIMEOUT_S)
-        return run(inputs)
+        return run(inputs, **kw)
 
     monkeypatch.setattr(session, "run", stalled)
     worker = threading.Thread(target=send, args=(served, CMPL, {**cmpl(), **GREEDY}))
