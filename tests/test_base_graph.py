@@ -54,6 +54,32 @@ def test_only_exports_read_in_place_get_a_base_graph_by_default(
     }  # fmt: skip
 
 
+def test_a_base_graph_that_cannot_load_is_left_out_unless_asked_for(
+    tiny_quant_export, monkeypatch, caplog
+):
+    """ONNX Runtime refusing the base graph (as one without the external-data folder option
+    would) leaves the default engine on the export's graph, said in the log; asked for
+    explicitly, the error is raised."""
+    import onnxruntime
+
+    made = onnxruntime.InferenceSession
+
+    def refusing(model, *args, **kwargs):
+        if isinstance(model, bytes):
+            raise RuntimeError("injected: external data not found")
+        return made(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", refusing)
+    model = _int4(tiny_quant_export)
+    with caplog.at_level("WARNING", logger="ort_lora"):
+        session = ModelSession(model, 16, base_graph=None)
+    assert session.base is None and "injected: external data not found" in caplog.text
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(LLM(model, num_pages=16).generate([[5, 9, 2]], params)[0].outputs[0].token_ids) == 3
+    with pytest.raises(RuntimeError, match="injected"):
+        ModelSession(model, 16, base_graph=True)
+
+
 @pytest.mark.parametrize("export", ["tiny_llama_export", "int4"])
 def test_the_base_graph_gives_the_export_logprobs(export, request, tiny_qv_adapter):
     """The same requests on an engine without a base graph and on one with: the same tokens

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ort_lora import contract as C
+from ort_lora.errors import logger
 from ort_lora.timing import RUN, StepTimes
 
 POOL_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -177,14 +178,16 @@ class ModelSession:
 
     def _load_base_graph(self, opts: dict) -> BoundGraph | None:
         """The base graph's session over the export's weights file (mapped, not copied), or
-        None when base_graph is None and a second session would copy the weights."""
+        None when base_graph is None and a second session would copy the weights or cannot be
+        made (logged: every step then runs the export's graph)."""
         import onnx
         import onnxruntime as ort
 
         import ort_lora
         from ort_lora.runtime.base_graph import reads_weights_in_place, without_lora_nodes
 
-        model = onnx.load(str(self.model_dir / C.MODEL_NAME), load_external_data=False)
+        model_path = self.model_dir / C.MODEL_NAME
+        model = onnx.load(str(model_path), load_external_data=False)
         if self.base_graph is None and not reads_weights_in_place(model):
             return None
         options = ort_lora.session_options(**opts)
@@ -192,11 +195,17 @@ class ModelSession:
         options.add_session_config_entry(folder, str(self.model_dir))
         if options.enable_profiling:  # its own trace beside the export's
             options.profile_file_prefix += "_base_graph"
-        session = ort.InferenceSession(
-            without_lora_nodes(model).SerializeToString(),
-            sess_options=options,
-            providers=["CPUExecutionProvider"],
-        )
+        try:
+            session = ort.InferenceSession(
+                without_lora_nodes(model).SerializeToString(),
+                sess_options=options,
+                providers=["CPUExecutionProvider"],
+            )
+        except Exception as exc:  # e.g. an ONNX Runtime without the external-data folder key
+            if self.base_graph:
+                raise
+            logger.warning("no base graph for %s (every step runs the export): %s", model_path, exc)
+            return None
         return BoundGraph(session)
 
     def _bind_pool(self) -> None:
