@@ -106,7 +106,7 @@ class StepPlan:
     @property
     def uses_adapters(self) -> bool:
         """Some row has an adapter (or a composition of them)."""
-        return any(e.slot >= 0 or e.terms for e in self.entries)
+        return any(_slots_of(e) for e in self.entries)
 
     @property
     def has_composition(self) -> bool:

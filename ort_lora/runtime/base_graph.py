@@ -34,15 +34,17 @@ def without_lora_nodes(model):
         if node.op_type == "LoraSGMV":
             for m, out in enumerate(node.output):
                 through[out] = node.input[C.lora_sgmv_module_inputs(m)[0]]
+
+    def source(name: str) -> str:
+        while name in through:  # a node's y may be another node's output
+            name = through[name]
+        return name
+
     kept = [n for n in graph.node if n.op_type != "LoraSGMV"]
     for node in kept:
-        for i, name in enumerate(node.input):
-            while name in through:  # a node's y may be another node's output
-                name = through[name]
-            node.input[i] = name
+        node.input[:] = [source(name) for name in node.input]
     for out in graph.output:
-        while out.name in through:
-            out.name = through[out.name]
+        out.name = source(out.name)
     read = {name for n in kept for name in n.input}
     inputs = [i for i in graph.input if i.name in read]
     del graph.node[:], graph.input[:]
