@@ -2,7 +2,8 @@
 
 One ONNX graph holds the LoraSGMV calls of a decode step (30 layers x 7 modules, SmolLM2's
 shapes; each layer its own pool share, the adapters' rows at the same offsets in every layer as
-the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapter i % 16):
+the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapter i % 16;
+--rows 1: one request decoding with one adapter, where the op's fixed cost per call shows):
 
   separate   one node per module (7 a layer), as exports before modules sharing x did
   fused      q/k/v in one node and gate/up in one (attribute modules: 4 nodes a layer)
@@ -20,7 +21,7 @@ rate over the machine's read bandwidth (numpy sums of a 512 MB buffer split over
 threads: the rows are only read, so 1.0 is as fast as memory goes), and the time reading the
 rows alone takes at that bandwidth (floor_ms: no kernel of this op can be faster).
 
-Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--dtypes float32,int8]
+Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--rows 32] [--dtypes float32,int8]
        [--layouts separate,fused] [--cached] [--against-library SO]
        [--out results/bench_lora_step.json]
 """
@@ -54,7 +55,7 @@ from ort_lora.adapter_rows import row_elems  # noqa: E402
 from ort_lora.ops.lora_sgmv_ref import ADAPTER_DTYPES, lora_sgmv, place_random_adapters  # noqa: E402
 
 F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
-LAYERS, ROWS, ADAPTERS, RANK = 30, 32, 16, 16
+LAYERS, ROWS, ADAPTERS, RANK = 30, 32, 16, 16  # ROWS: --rows's default
 HIDDEN, INTER = 576, 1536
 # module -> (in, out); the groups that read one x
 MODULES = {
@@ -98,13 +99,13 @@ def place(rng, dtype):
     return key, value, offsets
 
 
-def step_model(groups, dtype, layers: int) -> bytes:
-    """A graph of `layers` layers of LoraSGMV nodes (groups of modules sharing a node), each
-    module's y chained from layer to layer (so ORT runs every node in place)."""
+def step_model(groups, dtype, layers: int, rows: int) -> bytes:
+    """A graph of `layers` layers of LoraSGMV nodes (groups of modules sharing a node) over
+    `rows` rows, each module's y chained from layer to layer (so ORT runs every node in place)."""
     vi = helper.make_tensor_value_info
     inputs = [
-        vi("x_h", F32, [ROWS, HIDDEN]),
-        vi("x_i", F32, [ROWS, INTER]),
+        vi("x_h", F32, [rows, HIDDEN]),
+        vi("x_i", F32, [rows, INTER]),
         vi("seg_starts", I32, [None]),
         vi("seg_slots", I32, [None]),
         vi("comp_segs", I32, [0]),
@@ -112,7 +113,7 @@ def step_model(groups, dtype, layers: int) -> bytes:
         vi("comp_weights", F32, [0]),
     ]
     for m, (_, out) in MODULES.items():
-        inputs.append(vi(f"y_{m}", F32, [ROWS, out]))
+        inputs.append(vi(f"y_{m}", F32, [rows, out]))
         inputs += [
             vi(f"{t}_{m}", t_type, [None] * rank)
             for t, t_type, rank in zip(TABLES, (I64, I64, I32, F32, I64), (2, 2, 2, 2, 1))
@@ -155,26 +156,28 @@ def step_model(groups, dtype, layers: int) -> bytes:
                 )
             )
             last.update(zip(group, outs))
-    outputs = [vi(last[m], F32, [ROWS, MODULES[m][1]]) for m in MODULES]
+    outputs = [vi(last[m], F32, [rows, MODULES[m][1]]) for m in MODULES]
     graph = helper.make_graph(nodes, "lora_step", inputs, outputs)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
 
-def step_feeds(rng, dtype) -> dict:
-    """The step's inputs: 32 rows in 16 segments of 2, request i on adapter i % 16."""
+def step_feeds(rng, dtype, rows: int) -> dict:
+    """The step's inputs: `rows` rows, request i on adapter i % 16, in segments by adapter (32
+    rows: 16 segments of 2; 1 row: one segment on adapter 0)."""
     key, value, offsets = place(rng, dtype)
+    used = min(rows, ADAPTERS)
     feeds = {
-        "x_h": aligned(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
-        "x_i": aligned(rng.standard_normal((ROWS, INTER), dtype=np.float32)),
-        "seg_starts": np.linspace(0, ROWS, ADAPTERS + 1).astype(np.int32),
-        "seg_slots": np.arange(ADAPTERS, dtype=np.int32),
+        "x_h": aligned(rng.standard_normal((rows, HIDDEN), dtype=np.float32)),
+        "x_i": aligned(rng.standard_normal((rows, INTER), dtype=np.float32)),
+        "seg_starts": np.linspace(0, rows, used + 1).astype(np.int32),
+        "seg_slots": np.arange(used, dtype=np.int32),
         "comp_segs": np.zeros(0, np.int32),
         "comp_slots": np.zeros(0, np.int32),
         "comp_weights": np.zeros(0, np.float32),
     }
     for m, (_, out) in MODULES.items():
-        feeds[f"y_{m}"] = aligned(rng.standard_normal((ROWS, out), dtype=np.float32))
+        feeds[f"y_{m}"] = aligned(rng.standard_normal((rows, out), dtype=np.float32))
         feeds[f"a_offsets_{m}"], feeds[f"b_offsets_{m}"] = offsets[m]
         feeds[f"ranks_{m}"] = np.full((LAYERS, ADAPTERS), RANK, np.int32)
         feeds[f"scales_{m}"] = rng.uniform(0.5, 2.0, (LAYERS, ADAPTERS)).astype(np.float32)
@@ -185,10 +188,10 @@ def step_feeds(rng, dtype) -> dict:
     return feeds
 
 
-def session(groups, dtype, layers: int | None = None, library=None) -> ort.InferenceSession:
-    """The step's graph over `layers` layers (None: LAYERS); library: another build of the op
-    library (bench_ops.library_options), else this one."""
-    model = step_model(groups, dtype, LAYERS if layers is None else layers)
+def session(groups, dtype, rows: int, layers: int | None = None, library=None):
+    """The step's graph over `layers` layers (None: LAYERS) as an ORT session; library: another
+    build of the op library (bench_ops.library_options), else this one."""
+    model = step_model(groups, dtype, LAYERS if layers is None else layers, rows)
     opts = library_options(library)
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
@@ -196,7 +199,7 @@ def session(groups, dtype, layers: int | None = None, library=None) -> ort.Infer
 def check_one_layer(groups, dtype, feeds, library=None) -> None:
     """Layer 0 alone, every module's output against the reference (a benchmark of a wrong
     kernel is worth nothing)."""
-    sess = session(groups, dtype, layers=1, library=library)
+    sess = session(groups, dtype, len(feeds["x_h"]), layers=1, library=library)
     names = {i.name for i in sess.get_inputs()}
     got = sess.run(None, {k: v for k, v in feeds.items() if k in names})
     for m, out in zip(MODULES, got, strict=True):
@@ -219,7 +222,7 @@ def check_one_layer(groups, dtype, feeds, library=None) -> None:
 
 def step_runner(groups, dtype, feeds, library=None):
     """A callable running the step's graph with its inputs bound (no copies)."""
-    sess = session(groups, dtype, library=library)
+    sess = session(groups, dtype, len(feeds["x_h"]), library=library)
     io = sess.io_binding()
     for name, value in feeds.items():
         io.bind_cpu_input(name, value)
@@ -255,24 +258,24 @@ def read_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
     return buf.nbytes / float(np.median(times)) / 1e9
 
 
-def row_bytes_per_step(dtype: str) -> int:
-    """Adapter-row bytes one decode step reads: every adapter's A and B^T rows of every module
-    and layer (int8: each row's scale too)."""
+def row_bytes_per_step(dtype: str, adapters: int) -> int:
+    """Adapter-row bytes one decode step over `adapters` adapters reads: their A and B^T rows of
+    every module and layer (int8: each row's scale too)."""
     per_adapter = sum(row_elems(i, dtype) + row_elems(o, dtype) for i, o in MODULES.values())
-    return 4 * per_adapter * RANK * ADAPTERS * LAYERS
+    return 4 * per_adapter * RANK * adapters * LAYERS
 
 
 def bench_dtype(
-    dtype: str, reps: int, seed: int, layouts: list[str], cached: bool, against=None
+    dtype: str, rows: int, reps: int, seed: int, layouts: list[str], cached: bool, against=None
 ) -> dict:
     """For each layout (GROUPS: separate, fused), the step without adapters (base) and with
     them, with `cached` the fused step on one layer's rows, and with `against` (another build
     of the op library) that build's fused step, all in turn within every rep."""
     rng = np.random.default_rng(seed)
-    mixed = step_feeds(rng, dtype)
+    mixed = step_feeds(rng, dtype, rows)
     # every row without an adapter: one segment of slot -1
     base = mixed | {
-        "seg_starts": np.array([0, ROWS], np.int32),
+        "seg_starts": np.array([0, rows], np.int32),
         "seg_slots": np.full(1, -1, np.int32),
     }
     runs = {}
@@ -288,7 +291,7 @@ def bench_dtype(
         check_one_layer(GROUPS["fused"], dtype, mixed, library=against)
         runs["other"] = step_runner(GROUPS["fused"], dtype, mixed, library=against)
     times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
-    row_bytes = row_bytes_per_step(dtype)
+    row_bytes = row_bytes_per_step(dtype, len(mixed["seg_slots"]))
     row = {"dtype": dtype, "row_mb": row_bytes / 1e6}
     for kind, (median, best) in zip(runs, times, strict=True):
         row |= {f"{kind}_ms": median * 1e3, f"{kind}_min_ms": best * 1e3}
@@ -305,6 +308,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=THREADS, help="ORT threads (and reads)")
     parser.add_argument("--reps", type=int, default=20, help="timed steps per variant (median)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=ROWS,
+        help="rows of the step (request i on adapter i %% 16; 1: one request on one adapter)",
+    )
     parser.add_argument(
         "--dtypes", default="float32,bfloat16,float16,int8", help="adapter row types"
     )
@@ -336,7 +345,9 @@ def main(argv=None) -> int:
     rows = []
     for i, dtype in enumerate(args.dtypes.split(",")):
         print(f"[{i + 1}] LoraSGMV decode step, {dtype} rows ...", flush=True)
-        rows.append(bench_dtype(dtype, args.reps, i, layouts, args.cached, args.against_library))
+        rows.append(
+            bench_dtype(dtype, args.rows, args.reps, i, layouts, args.cached, args.against_library)
+        )
         rows[-1]["floor_ms"] = rows[-1]["row_mb"] / bandwidth
         for layout in layouts:
             rows[-1][f"{layout}_vs_read"] = rows[-1][f"{layout}_gbps"] / bandwidth
@@ -347,7 +358,8 @@ def main(argv=None) -> int:
     cols += ["cached_ms", "cached_gbps"] if args.cached else []
     cols += ["other_ms", "vs_library"] if args.against_library else []
     print(
-        f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {ROWS} rows, {ADAPTERS} "
+        f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {args.rows} rows, "
+        f"{min(args.rows, ADAPTERS)} "
         f"adapters of rank {RANK}); read bandwidth {bandwidth:.1f} GB/s"
     )
     width = max(len(c) for c in cols)
@@ -356,7 +368,12 @@ def main(argv=None) -> int:
         cells = [f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]:>{width}s}"
                  for c in cols]  # fmt: skip
         print("  ".join(cells))
-    fields = {"read_gbps": bandwidth, "rows": rows, "against_library": args.against_library}
+    fields = {
+        "read_gbps": bandwidth,
+        "step_rows": args.rows,
+        "rows": rows,
+        "against_library": args.against_library,
+    }
     save_result(args.out, fields, load_before)
     return 0
 
