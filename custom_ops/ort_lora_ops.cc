@@ -1,5 +1,8 @@
 // The one registration file: every op x provider x dtype of the ort_lora domain.
 // Loaded with SessionOptions.register_custom_ops_library(path); links no ORT library.
+#include <cstdio>
+#include <cstdlib>
+
 #include "common/ort_common.h"
 #include "lora_sgmv/lora_sgmv_op.h"
 #include "paged_attention/paged_attention_op.h"
@@ -25,6 +28,29 @@ struct Registry {
 
 }  // namespace
 
+namespace ort_lora {
+
+// The runtime's GetTensorElementTypeAndShapeDataReference, or null before ONNX Runtime 1.24 or
+// with ORT_LORA_ORT_API below 24 (the highest C API version the ops may use; the tests run the
+// ops both ways). The C API's function table only grows, in order, so the entry's place is
+// fixed: 414 (after the 285 of API 21 and those versions 22 to 24 added). Asked of runtimes
+// 1.24 and later only: GetApi prints an error for a version the runtime does not have.
+TensorShapeReferenceFn FindTensorShapeReference(const OrtApiBase* api_base) {
+  constexpr unsigned kApi = 24;
+  constexpr size_t kEntry = 414;
+  const char* cap = std::getenv("ORT_LORA_ORT_API");
+  unsigned major = 0, minor = 0;
+  if ((cap != nullptr && std::strtoul(cap, nullptr, 10) < kApi) ||
+      std::sscanf(api_base->GetVersionString(), "%u.%u", &major, &minor) != 2 ||
+      (major == 1 && minor < kApi))
+    return nullptr;
+  const OrtApi* api = api_base->GetApi(kApi);
+  if (api == nullptr) return nullptr;
+  return reinterpret_cast<TensorShapeReferenceFn>(reinterpret_cast<void* const*>(api)[kEntry]);
+}
+
+}  // namespace ort_lora
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
@@ -37,6 +63,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     return v1 ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   Ort::InitApi(api);
+  ort_lora::TensorShapeReference().store(ort_lora::FindTensorShapeReference(api_base));
   static Registry* registry = new Registry();
   return ort_lora::GuardCompute("RegisterCustomOps", [&] {
     Ort::CustomOpDomain domain(kDomain);

@@ -1,5 +1,6 @@
-"""The kernels' narrower ISA copies (AVX2, baseline) run through a test file's value tests:
-the same file again in a subprocess, with the op library's ISA variable forcing that copy."""
+"""A test file's tests again in a subprocess with one of the op library's variables set: a
+narrower ISA copy of a kernel (AVX2, baseline; ORT_LORA_*_ISA), or the ONNX Runtime C API 21
+way of reading inputs' shapes (ORT_LORA_ORT_API=21)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import subprocess
 import sys
 
 
-def assert_passes_with_isa(test_file: str, cases: str, variable: str, isa: str) -> None:
-    """pytest `test_file -k cases` with os.environ[variable] = isa passes (some tests ran)."""
+def assert_passes_with(test_file: str, cases: str, variable: str, value: str) -> None:
+    """pytest `test_file -k cases` with os.environ[variable] = value passes (some tests ran)."""
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", cases]
-    env = os.environ | {variable: isa}
+    env = os.environ | {variable: value}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper
+from rerun_with import assert_passes_with
 
 import ort_lora
 from ort_lora.adapter_rows import row_elems
@@ -625,7 +625,7 @@ def test_narrower_isa_kernels(isa):
         "ranks or layouts or shapes or layer_attribute_selects or end_of_each_cache or dora or "
         "every_magnitude or mixed_row_types"
     )
-    assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
+    assert_passes_with(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
 
 # ---- validation: every bad input gives an error naming it -------------------------------------

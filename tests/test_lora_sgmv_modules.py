@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper
+from rerun_with import assert_passes_with
 
 import ort_lora
 from ort_lora.ops.lora_sgmv_ref import (
@@ -258,7 +258,7 @@ def test_reference_is_lora_sgmv_per_module(rng):
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_SGMV_ISA) pass the value tests."""
     cases = "match_the_reference or widths or only_one_module or produced_by"
-    assert_passes_with_isa(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
+    assert_passes_with(__file__, cases, "ORT_LORA_SGMV_ISA", isa)
 
 
 # ---- validation --------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from forced_isa import assert_passes_with_isa
 from paged_attention_cases import (
     ATOL,
     RTOL,
@@ -15,6 +14,7 @@ from paged_attention_cases import (
     run_kernel,
     session,
 )
+from rerun_with import assert_passes_with
 
 from ort_lora.ops.paged_attention_ref import paged_attention
 
@@ -256,7 +256,7 @@ def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline copies of the kernel (forced with ORT_LORA_ATTENTION_ISA) pass
     the value tests."""
     cases = "mixed_batch or variants or sizes or cut_never"
-    assert_passes_with_isa(__file__, cases, "ORT_LORA_ATTENTION_ISA", isa)
+    assert_passes_with(__file__, cases, "ORT_LORA_ATTENTION_ISA", isa)
 
 
 # ---- a row's bits never depend on how a call is cut ------------------------------------------

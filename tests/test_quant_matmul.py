@@ -10,8 +10,8 @@ import functools
 import numpy as np
 import onnxruntime as ort
 import pytest
-from forced_isa import assert_passes_with_isa
 from onnx import TensorProto, helper, numpy_helper
+from rerun_with import assert_passes_with
 
 import ort_lora
 from ort_lora import quant_tiles
@@ -297,7 +297,7 @@ def test_matches_matmulnbits(zeros, bits, rng):
 def test_narrower_isa_kernels(isa):
     """The AVX2 and baseline kernels (forced with ORT_LORA_QUANT_ISA) pass the value tests."""
     cases = "shapes or leading_dims or extreme_codes or matches or splits or float16_tiles"
-    assert_passes_with_isa(__file__, cases, "ORT_LORA_QUANT_ISA", isa)
+    assert_passes_with(__file__, cases, "ORT_LORA_QUANT_ISA", isa)
 
 
 # ---- bad input: an error naming it ---------------------------------------------------------

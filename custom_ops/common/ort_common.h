@@ -9,7 +9,10 @@
 #endif
 #include <onnxruntime_cxx_api.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -20,7 +23,41 @@
 
 namespace ort_lora {
 
-inline std::string ShapeStr(const std::vector<int64_t>& shape) {
+// A tensor's dims, held in place up to kInline of them (every input these ops take; more go to
+// the heap): reading an input's shape allocates nothing.
+class Dims {
+ public:
+  Dims() = default;
+  Dims(std::initializer_list<int64_t> dims) { assign(dims.begin(), dims.size()); }
+  void assign(const int64_t* dims, size_t n) {
+    size_ = n;
+    if (n > kInline) return heap_.assign(dims, dims + n);
+    heap_.clear();
+    std::copy(dims, dims + n, inline_);
+  }
+  const int64_t* data() const { return size_ > kInline ? heap_.data() : inline_; }
+  int64_t* data() { return size_ > kInline ? heap_.data() : inline_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const int64_t* begin() const { return data(); }
+  const int64_t* end() const { return data() + size_; }
+  int64_t operator[](size_t i) const { return data()[i]; }
+  int64_t back() const { return data()[size_ - 1]; }
+  int64_t& back() { return data()[size_ - 1]; }
+  friend bool operator==(const Dims& a, const Dims& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend bool operator!=(const Dims& a, const Dims& b) { return !(a == b); }
+
+ private:
+  static constexpr size_t kInline = 8;
+  int64_t inline_[kInline] = {};
+  size_t size_ = 0;
+  std::vector<int64_t> heap_;
+};
+
+template <typename Shape>  // std::vector<int64_t> or Dims
+std::string ShapeStr(const Shape& shape) {
   std::ostringstream os;
   os << "[";
   for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
@@ -136,17 +173,39 @@ inline int64_t RequiredInt(const Ort::ConstKernelInfo& ki, const char* name) {
 // A read-only view of one input with its shape, checked for rank and element type.
 struct InputView {
   Ort::ConstValue value;
-  std::vector<int64_t> shape;
+  Dims shape;
   ONNXTensorElementDataType type;
   bool present;
 };
 
+// ORT's GetTensorElementTypeAndShapeDataReference (C API 24, ONNX Runtime 1.24 and later): an
+// input's element type and a pointer to its dims, where GetTensorTypeAndShape allocates an info
+// object (and its dims) to be copied and released. Our headers are API 21's, so
+// RegisterCustomOps sets it from the runtime's function table (FindTensorShapeReference in
+// ort_lora_ops.cc) each time a session registers the library; null on an older runtime, where
+// GetInput reads shapes the API 21 way.
+using TensorShapeReferenceFn = OrtStatus*(ORT_API_CALL*)(const OrtValue*,
+                                                         ONNXTensorElementDataType*,
+                                                         const int64_t**, size_t*);
+inline std::atomic<TensorShapeReferenceFn>& TensorShapeReference() {
+  static std::atomic<TensorShapeReferenceFn> fn{nullptr};  // set while other sessions run
+  return fn;
+}
+
 inline InputView GetInput(const Ort::KernelContext& ctx, size_t index) {
   InputView v{ctx.GetInput(index), {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, false};
   if (v.value == nullptr) return v;
-  auto info = v.value.GetTensorTypeAndShapeInfo();
-  v.shape = info.GetShape();
-  v.type = info.GetElementType();
+  if (TensorShapeReferenceFn shape_of = TensorShapeReference().load(std::memory_order_relaxed)) {
+    const int64_t* dims = nullptr;
+    size_t rank = 0;
+    Ort::ThrowOnError(shape_of(v.value, &v.type, &dims, &rank));
+    v.shape.assign(dims, rank);
+  } else {
+    auto info = v.value.GetTensorTypeAndShapeInfo();
+    const std::vector<int64_t> dims = info.GetShape();
+    v.shape.assign(dims.data(), dims.size());
+    v.type = info.GetElementType();
+  }
   v.present = true;
   return v;
 }

@@ -45,7 +45,7 @@ void LoraSgmvCudaKernel::Compute(OrtKernelContext* context) {
   const LoraSgmvInputs in = ReadLoraSgmvInputs(ctx, ToOnnx(dtype_));
   const SgmvPool pool = ReadSgmvPool(in, 2, SgmvRowLayout::kPoolType);
   const SgmvPlan plan = BuildSgmvPlan(ReadSgmvMetadata(in, layer_), pool);
-  auto y_out = ctx.GetOutput(0, in.y.shape);
+  auto y_out = ctx.GetOutput(0, in.y.shape.data(), in.y.shape.size());
   // RunLoraSgmv refuses a null stream (InputError naming it).
   auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
   try {

@@ -242,7 +242,7 @@ void CopyThrough(Ort::KernelContext& ctx, int modules) {
     else
       ExpectDim(y, kYNames[m], 0, x.shape[0], "T, the rows of x");
     const float* in = y.value.GetTensorData<float>();
-    float* out = ctx.GetOutput(m, y.shape).GetTensorMutableData<float>();
+    float* out = ctx.GetOutput(m, y.shape.data(), y.shape.size()).GetTensorMutableData<float>();
     if (out != in) std::copy(in, in + y.shape[0] * y.shape[1], out);
   }
 }

@@ -36,7 +36,7 @@ OrtStatusPtr InferShape(const OrtCustomOp*, OrtShapeInferContext* c) {
 
 // One tiled weight input [tiles, blocks, ..., last]: rank, type and every dim.
 void ExpectTiled(const InputView& v, const char* name, ONNXTensorElementDataType type,
-                 const std::vector<int64_t>& dims) {
+                 const Dims& dims) {
   Expect(v, name, dims.size(), type);
   if (v.shape != dims)
     Fail("input '", name, "' must have shape ", ShapeStr(dims), " (from K, N and block_size), got ",
@@ -128,10 +128,10 @@ void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   a.zeros = in[kZeros].present ? in[kZeros].value.GetTensorData<uint8_t>() : nullptr;
   a.float_x = float_x_;
   a.outputs = static_cast<int>(splits_.size());
-  std::vector<int64_t> y_shape = x.shape;
+  Dims y_shape = x.shape;
   for (int o = 0; o < a.outputs; ++o) {
     y_shape.back() = a.columns[o] = splits_[o];
-    a.y[o] = ctx.GetOutput(o, y_shape).GetTensorMutableData<float>();
+    a.y[o] = ctx.GetOutput(o, y_shape.data(), y_shape.size()).GetTensorMutableData<float>();
   }
   QuantMatMulCpu(a, OrtParallelFor(ctx));
 }
