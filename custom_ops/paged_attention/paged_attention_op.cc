@@ -111,7 +111,7 @@ OrtStatusPtr PagedAttentionKernel::ComputeV2(OrtKernelContext* context) {
 }
 
 // Ranks, dtypes and sizes of every input; the returned args point at the inputs' data.
-PagedAttentionArgs PagedAttentionKernel::CheckShapes(const std::vector<InputView>& in) const {
+PagedAttentionArgs PagedAttentionKernel::CheckShapes(const InputView* in) const {
   Expect(in[kQuery], "query", 2, kF32);
   Expect(in[kKey], "key", 2, kF32);
   Expect(in[kValue], "value", 2, kF32);
@@ -170,8 +170,7 @@ PagedAttentionArgs PagedAttentionKernel::CheckShapes(const std::vector<InputView
 }
 
 // cos_cache / sin_cache: present, [max_pos, rotary_dim / 2] with rotary_dim <= head_size.
-void PagedAttentionKernel::CheckRotaryShapes(const std::vector<InputView>& in,
-                                             PagedAttentionArgs& a) const {
+void PagedAttentionKernel::CheckRotaryShapes(const InputView* in, PagedAttentionArgs& a) const {
   Expect(in[kCos], "cos_cache", 2, kF32);
   Expect(in[kSin], "sin_cache", 2, kF32);
   const auto& cs = in[kCos].shape;
@@ -193,15 +192,15 @@ void PagedAttentionKernel::Compute(OrtKernelContext* context) {
     Fail("outputs 'key_cache_out' and 'value_cache_out' are not supported on CPU (the caches ",
          "are updated in place); the node must have only the 'output' output, it has ",
          ctx.GetOutputCount());
-  std::vector<InputView> in;
-  for (size_t i = 0; i < kNumInputs; ++i) in.push_back(GetInput(ctx, i));
+  InputView in[kNumInputs];  // in place: a decode step's calls allocate nothing here
+  for (size_t i = 0; i < kNumInputs; ++i) in[i] = GetInput(ctx, i);
   PagedAttentionArgs a = CheckShapes(in);
   CheckSequences(a);
   CheckBlocks(a, in[kKeyCache].shape[0]);
   if (a.slot_mapping) CheckSlots(a, in[kKeyCache].shape[0]);
   if (a.rotary_half) CheckRotaryRows(a, in[kCos].shape[0]);
-  a.output =
-      ctx.GetOutput(0, {a.num_tokens, a.num_heads * a.head_size}).GetTensorMutableData<float>();
+  const int64_t output_shape[2] = {a.num_tokens, a.num_heads * a.head_size};
+  a.output = ctx.GetOutput(0, output_shape, 2).GetTensorMutableData<float>();
   PagedAttentionCpu(a, OrtParallelFor(ctx));
 }
 

@@ -35,8 +35,8 @@ struct PagedAttentionKernel {
 
  private:
   void Compute(OrtKernelContext* context);
-  PagedAttentionArgs CheckShapes(const std::vector<InputView>& in) const;
-  void CheckRotaryShapes(const std::vector<InputView>& in, PagedAttentionArgs& a) const;
+  PagedAttentionArgs CheckShapes(const InputView* in) const;  // in: kNumInputs of them
+  void CheckRotaryShapes(const InputView* in, PagedAttentionArgs& a) const;
   int64_t num_heads_;
   int64_t kv_num_heads_;
   float scale_;

@@ -84,8 +84,8 @@ OrtStatusPtr QuantMatMulKernel::ComputeV2(OrtKernelContext* context) {
 
 void QuantMatMulKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
-  std::vector<InputView> in;
-  for (size_t i = 0; i < kNumInputs; ++i) in.push_back(GetInput(ctx, i));
+  InputView in[kNumInputs];  // in place: a decode step's calls allocate nothing here
+  for (size_t i = 0; i < kNumInputs; ++i) in[i] = GetInput(ctx, i);
   const InputView& x = in[kX];
   if (!x.present || x.shape.empty()) Fail("input 'x' is required and must have rank >= 1");
   if (x.type != kF32) Fail("input 'x' must be float32, got ", TypeName(x.type));
