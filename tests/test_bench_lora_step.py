@@ -29,13 +29,27 @@ def other_build(bench_lora_step, monkeypatch, tmp_path) -> str:
     return str(other)
 
 
-def test_against_library_times_another_builds_step(bench_lora_step, other_build):
-    """One layer's step: the other build runs the fused step on the same rows, its outputs
-    checked against the reference first, then in turn."""
+@pytest.mark.parametrize("rows", [32, 1])
+def test_against_library_times_another_builds_step(bench_lora_step, other_build, rows):
+    """One layer's step (32 rows over 16 adapters, or one request's row on one adapter): the
+    other build runs the fused step on the same rows, its outputs checked against the reference
+    first, then in turn."""
     other = other_build
-    row = bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=other)
+    row = bench_lora_step.bench_dtype("int8", rows, 2, 0, ["fused"], False, against=other)
     assert row["other_ms"] > 0 and row["vs_library"] == row["other_ms"] / row["fused_ms"]
-    assert "vs_library" not in bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False)
+    assert "vs_library" not in bench_lora_step.bench_dtype("int8", rows, 2, 0, ["fused"], False)
+    adapters = min(rows, 16)  # the rows' bytes: those of the adapters the rows use
+    assert row["row_mb"] * 1e6 == pytest.approx(
+        bench_lora_step.row_bytes_per_step("int8", adapters)
+    )
+
+
+def test_one_row_is_one_segment_on_adapter_0(bench_lora_step):
+    import numpy as np
+
+    feeds = bench_lora_step.step_feeds(np.random.default_rng(0), "int8", 1)
+    assert feeds["seg_starts"].tolist() == [0, 1] and feeds["seg_slots"].tolist() == [0]
+    assert feeds["x_h"].shape == (1, 576) and feeds["y_down"].shape == (1, 576)
 
 
 def test_against_library_refuses_a_build_that_computes_otherwise(
@@ -55,5 +69,5 @@ def test_against_library_refuses_a_build_that_computes_otherwise(
 
     monkeypatch.setattr(bench_lora_step, "check_one_layer", check)
     with pytest.raises(AssertionError, match="differs"):
-        bench_lora_step.bench_dtype("int8", 2, 0, ["fused"], False, against=other)
+        bench_lora_step.bench_dtype("int8", 32, 2, 0, ["fused"], False, against=other)
     assert checked == [None, other]
