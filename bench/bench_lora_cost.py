@@ -111,9 +111,13 @@ def serve_in_turn(engines: dict, loras: list, tag: str) -> dict[str, float]:
     return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
 
 
-def step_in_turn(engines: dict) -> tuple[dict[str, float], dict[str, list]]:
+def step_in_turn(
+    engines: dict, decode_steps: dict | None = None
+) -> tuple[dict[str, float], dict[str, list]]:
     """Steps the engines (role -> engine) in turn until none has requests left: the seconds
-    each spent in its own steps, and the outputs of the requests each finished."""
+    each spent in its own steps, and the outputs of the requests each finished. decode_steps
+    (role -> list), if given, gets the seconds of each engine's steps that decoded only (a
+    token per sequence: LLMEngine.times)."""
     spent = dict.fromkeys(engines, 0.0)
     finished = {role: [] for role in engines}
     while any(eng.has_unfinished_requests() for eng in engines.values()):
@@ -121,8 +125,11 @@ def step_in_turn(engines: dict) -> tuple[dict[str, float], dict[str, list]]:
             if eng.has_unfinished_requests():
                 start = time.perf_counter()
                 outs = eng.step()
-                spent[role] += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                spent[role] += seconds
                 finished[role] += [o for o in outs if o.finished]
+                if decode_steps is not None and eng.times.num_tokens == eng.times.num_seqs:
+                    decode_steps[role].append(seconds)
     return spent, finished
 
 
