@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 
-def assert_passes_with(test_file: str, cases: str, variable: str, value: str) -> None:
-    """pytest `test_file -k cases` with os.environ[variable] = value passes (some tests ran)."""
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", cases]
+def assert_passes_with(test_files: str | list[str], cases: str, variable: str, value: str) -> None:
+    """pytest `test_files -k cases` with os.environ[variable] = value passes (some tests ran)."""
+    files = [test_files] if isinstance(test_files, str) else test_files
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-k", cases]
     env = os.environ | {variable: value}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

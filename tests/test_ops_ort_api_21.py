@@ -8,20 +8,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from rerun_with import assert_passes_with
 
 HERE = Path(__file__).parent
-CASES = {
-    "test_lora_sgmv.py": "heterogeneous_shapes or optional_inputs or bad_input or bad_inputs "
-    "or without_adapter_rows or row_types_of",
-    "test_lora_sgmv_modules.py": "three_modules or bad_module_inputs or checks_every_y",
-    "test_paged_attention.py": "mixed_batch or sizes",
-    "test_paged_attention_errors.py": "named or refused",
-    "test_quant_matmul.py": "shapes or leading_dims or splits or bad_inputs or empty_rows",
-}
+FILES = [
+    "test_lora_sgmv.py",
+    "test_lora_sgmv_modules.py",
+    "test_paged_attention.py",
+    "test_paged_attention_errors.py",
+    "test_quant_matmul.py",
+]
+# each op's input checks (shapes, ranks, types, the errors that name them) and value tests on
+# several shapes: LoraSGMV of one and of three modules, PagedAttention, QuantMatMul
+CASES = (
+    "heterogeneous_shapes or optional_inputs or bad_input or bad_inputs or without_adapter_rows"
+    " or row_types_of or three_modules or bad_module_inputs or checks_every_y or mixed_batch"
+    " or test_sizes or named or refused or test_shapes or leading_dims or splits or empty_rows"
+)
 
 
-@pytest.mark.parametrize("test_file", sorted(CASES))
-def test_shapes_read_the_api_21_way(test_file):
-    assert_passes_with(str(HERE / test_file), CASES[test_file], "ORT_LORA_ORT_API", "21")
+def test_shapes_read_the_api_21_way():
+    """One subprocess for every file (each start imports ORT and the tests' helpers)."""
+    assert_passes_with([str(HERE / f) for f in FILES], CASES, "ORT_LORA_ORT_API", "21")
