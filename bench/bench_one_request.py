@@ -14,6 +14,8 @@ weighs as much as its rows do. With --against-library both engines get a twin on
 of the op library, served in the same rounds, so the change shows in both workloads (new / old)
 and in the adapter's cost (adapter / base, per build). --prompt sets the prompt's length (seeded
 random token ids): with a long one each decode step reads the whole context's keys and values.
+Every request repeats the one prompt, so after the first its prefill comes from the prefix
+cache.
 Besides tok/s (prefill included) each round records the median decode step (a step that only
 decoded). Prints each round and the medians, writes them (with the command, date, machine and
 load) as JSON and a plot beside it.

@@ -22,3 +22,14 @@ def load_script(path: Path, name: str | None = None, argv: list[str] | None = No
     finally:
         sys.argv = saved
     return module
+
+
+def assert_usage_error(main, argv: list[str], says: str, capsys) -> None:
+    """A program's main(argv) stops with argparse's usage error (exit status 2), its message
+    naming `says` (the option at fault)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from script_module import load_script
+from script_module import assert_usage_error, load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_attention_step.py"
 
@@ -51,7 +51,4 @@ def test_another_build_in_turn(bench, monkeypatch, tmp_path):
     [(["--cases", "1x"], "--cases"), (["--against-library", "/no/such.so"], "--against-library")],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
+    assert_usage_error(bench.main, argv, says, capsys)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from script_module import load_script
+from script_module import assert_usage_error, load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_lora_cost.py"
 
@@ -134,7 +134,4 @@ def test_engine_on_another_library_restores_the_environment(bench, monkeypatch, 
     ],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
+    assert_usage_error(bench.main, argv, says, capsys)

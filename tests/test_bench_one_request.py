@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from script_module import load_script
+from script_module import assert_usage_error, load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_one_request.py"
 
@@ -86,7 +86,4 @@ def test_ratios_per_round_and_median(bench):
     ],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
+    assert_usage_error(bench.main, argv, says, capsys)
