@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ops import (  # noqa: E402, I001
     THREADS,
-    library_options,
     pa_feeds,
     pa_runner,
     paired_times,
@@ -32,11 +31,9 @@ from bench_ops import (  # noqa: E402, I001
 
 import argparse  # noqa: E402
 import time  # noqa: E402
-from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import bench_ops  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 CASES = "1x2000,1x500,32x256"  # requests x context
@@ -44,8 +41,7 @@ CASES = "1x2000,1x500,32x256"  # requests x context
 
 def layer_runners(layers: list[dict], library: str | None) -> list:
     """One bound PagedAttention run per layer's feeds, on `library` (None: this checkout's)."""
-    with mock.patch.object(bench_ops, "library_options", lambda: library_options(library)):
-        return [pa_runner(feeds, HEADS, KV_HEADS, HEAD_DIM) for feeds in layers]
+    return [pa_runner(feeds, HEADS, KV_HEADS, HEAD_DIM, library) for feeds in layers]
 
 
 def step(runs: list, cached: bool):

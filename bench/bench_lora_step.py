@@ -291,8 +291,9 @@ def bench_dtype(
         check_one_layer(GROUPS["fused"], dtype, mixed, library=against)
         runs["other"] = step_runner(GROUPS["fused"], dtype, mixed, library=against)
     times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
-    row_bytes = row_bytes_per_step(dtype, len(mixed["seg_slots"]))
-    row = {"dtype": dtype, "row_mb": row_bytes / 1e6}
+    adapters = len(mixed["seg_slots"])  # a segment per adapter
+    row_bytes = row_bytes_per_step(dtype, adapters)
+    row = {"dtype": dtype, "adapters": adapters, "row_mb": row_bytes / 1e6}
     for kind, (median, best) in zip(runs, times, strict=True):
         row |= {f"{kind}_ms": median * 1e3, f"{kind}_min_ms": best * 1e3}
     for layout in layouts + ["cached"] * cached:
@@ -359,8 +360,7 @@ def main(argv=None) -> int:
     cols += ["other_ms", "vs_library"] if args.against_library else []
     print(
         f"\nLoraSGMV, one SmolLM2 decode step ({LAYERS} layers, {args.rows} rows, "
-        f"{min(args.rows, ADAPTERS)} "
-        f"adapters of rank {RANK}); read bandwidth {bandwidth:.1f} GB/s"
+        f"{rows[0]['adapters']} adapters of rank {RANK}); read bandwidth {bandwidth:.1f} GB/s"
     )
     width = max(len(c) for c in cols)
     print("  ".join(f"{c:>{width}s}" for c in cols))

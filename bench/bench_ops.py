@@ -115,8 +115,9 @@ def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, fl
     return [(float(np.median(t)), float(np.min(t))) for t in times]
 
 
-def one_node_session(op, inputs, outputs, **attrs) -> ort.InferenceSession:
-    """inputs/outputs: (name, elem_type, rank); an input named "" is an omitted optional."""
+def one_node_session(op, inputs, outputs, *, library=None, **attrs) -> ort.InferenceSession:
+    """inputs/outputs: (name, elem_type, rank); an input named "" is an omitted optional;
+    library: another build of the op library to register (library_options), else this one."""
     vis = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in inputs if n]
     outs = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in outputs]
     node = helper.make_node(
@@ -125,7 +126,7 @@ def one_node_session(op, inputs, outputs, **attrs) -> ort.InferenceSession:
     graph = helper.make_graph([node], op, vis, outs)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(ort_lora.OPS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    opts = library_options()
+    opts = library_options(library)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -434,11 +435,14 @@ def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
     return pa_inputs(rng, [context - 1] * seqs, [1] * seqs, heads, kv_heads, head_dim, block)
 
 
-def pa_runner(feeds, heads, kv_heads, head_dim):
-    """A one-node PagedAttention session over `feeds`, bound, run once: its run function."""
+def pa_runner(feeds, heads, kv_heads, head_dim, library=None):
+    """A one-node PagedAttention session over `feeds` (on `library`, else this checkout's op
+    library), bound, run once: its run function."""
     out = np.empty_like(feeds["query"])
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
-    sess = one_node_session("PagedAttention", PA_INPUTS, [("output", F32, 2)], **attrs)
+    sess = one_node_session(
+        "PagedAttention", PA_INPUTS, [("output", F32, 2)], library=library, **attrs
+    )
     run_op = bound_runner(sess, feeds, "output", out)
     run_op()
     return run_op
