@@ -1,13 +1,14 @@
-// Vectorized micro-kernels of the PagedAttention CPU kernel: dot products, scores of a tile of
-// keys, exp, and the weighted sum of value rows. Plain C++ and GCC vector types, inlined into
-// each ISA's copy of the kernel (paged_attention_cpu.cc: AVX-512, AVX2+FMA, baseline x86-64,
-// chosen at run time), which passes the vector type V of its widest registers.
+// Vectorized micro-kernels of the PagedAttention CPU kernel: scores of a tile of keys, a tile's
+// step of the online softmax, and the weighted sum of value rows. Plain C++ and GCC vector
+// types, inlined into each ISA's copy of the kernel (paged_attention_cpu.cc: AVX-512, AVX2+FMA,
+// baseline x86-64, chosen at run time), which passes the vector type V of its widest registers.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // Helpers must be always_inline: GCC does not inline a function of the default arch into a
 // function with a target attribute otherwise; and a helper left out of line that only
@@ -33,6 +34,25 @@ namespace attention_math {
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef int32_t I4 __attribute__((vector_size(16)));
+
+// The int32 vector of V's width (what comparing two V gives).
+template <typename V>
+struct Ints;
+template <>
+struct Ints<V16> {
+  typedef I16 type;
+};
+template <>
+struct Ints<V8> {
+  typedef I8 type;
+};
+template <>
+struct Ints<V4> {
+  typedef I4 type;
+};
 
 template <typename V>
 ORT_LORA_INLINE V Load(const float* p) {
@@ -92,19 +112,25 @@ ORT_LORA_INLINE void TransposeSum(const V4* r, float* out) {
   std::memcpy(out, &sums, sizeof(sums));
 }
 
-// s[j] = q . k[j * stride + :d] for j < n: W keys at a time, W = the lanes of V (one register:
-// W independent FMA chains sharing each load of q, 16 of the 32 AVX-512 registers or 8 of
-// the 16 AVX2 ones, so none spills). A key's score takes the same operations wherever it
-// falls, through the one loop body below: the last keys go as a whole group too, the rows
-// after them scored and dropped (`room` rows from k may be read; where fewer are left, the last
-// keys are copied into `spare`: W rows of d finite floats), and the dimensions past a multiple
-// of W as a zero-padded register. (Two inlined copies of the body, one for whole groups and
-// one for the last, were compiled into different arithmetic.) s must have room for n rounded
-// up to a multiple of W: the last group's dropped lanes are written too.
-template <typename V>
-ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t stride,
-                            int64_t d, int64_t n, int64_t room, float* __restrict s, float* spare) {
+// s[j] = q . k[j * stride + :d] for j < n: W keys at a time, W = the lanes of V (one register
+// per key: W independent FMA chains, then one transpose tree for their W sums). A key's score
+// takes the same operations wherever it falls, through the one loop body below: the last keys
+// go as a whole group too, the rows after them scored and dropped (`room` rows from k may be
+// read; where fewer are left, the last keys are copied into `spare`: W rows of d finite
+// floats), and the dimensions past a multiple of W as a zero-padded register. (Two inlined
+// copies of the body, one for whole groups and one for the last, were compiled into different
+// arithmetic.) s must have room for n rounded up to a multiple of W: the last group's dropped
+// lanes are written too. C > 0: d is C registers, which hold q for the whole call, and each
+// key's chunks go in turn through one row pointer (with d read in the loop, the compiler kept
+// the W keys' row pointers in vector registers and moved one back for every load); C = 0: any
+// d. Both sum a key's chunks in the same order, so the two give the same bits.
+template <typename V, int C>
+ORT_LORA_INLINE void ScoresOf(const float* __restrict q, const float* __restrict k, int64_t stride,
+                              int64_t d, int64_t n, int64_t room, float* __restrict s,
+                              float* spare) {
   constexpr int W = sizeof(V) / sizeof(float);
+  V held[C > 0 ? C : 1];
+  for (int i = 0; i < C; ++i) held[i] = Load<V>(q + i * W);
   for (int64_t j = 0; j < n; j += W) {
     const int64_t m = std::min<int64_t>(W, n - j);
     const float* key = k + j * stride;
@@ -115,43 +141,118 @@ ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k
       key = spare, step = d;
     }
     V r[W];
-    for (int c = 0; c < W; ++c) r[c] = V{};
-    int64_t i = 0;
-    for (; i + W <= d; i += W) {
-      const V qv = Load<V>(q + i);
-      for (int c = 0; c < W; ++c) r[c] += qv * Load<V>(key + c * step + i);
-    }
-    if (i < d) {
-      V qv = {};
-      std::memcpy(&qv, q + i, (d - i) * sizeof(float));
+    if constexpr (C > 0) {
       for (int c = 0; c < W; ++c) {
-        V kv = {};
-        std::memcpy(&kv, key + c * step + i, (d - i) * sizeof(float));
-        r[c] += qv * kv;
+        const float* row = key + c * step;
+        V acc = V{};
+        for (int i = 0; i < C; ++i) acc += held[i] * Load<V>(row + i * W);
+        r[c] = acc;
+      }
+    } else {
+      for (int c = 0; c < W; ++c) r[c] = V{};
+      int64_t i = 0;
+      for (; i + W <= d; i += W) {
+        const V qv = Load<V>(q + i);
+        for (int c = 0; c < W; ++c) r[c] += qv * Load<V>(key + c * step + i);
+      }
+      if (i < d) {
+        V qv = {};
+        std::memcpy(&qv, q + i, (d - i) * sizeof(float));
+        for (int c = 0; c < W; ++c) {
+          V kv = {};
+          std::memcpy(&kv, key + c * step + i, (d - i) * sizeof(float));
+          r[c] += qv * kv;
+        }
       }
     }
     TransposeSum(r, s + j);  // all W lanes: s has room for them
   }
 }
 
-// x[i] = exp(x[i]) for x[i] <= 0 (Cephes expf polynomial, ~1 ulp; vectorizable).
-ORT_LORA_INLINE void ExpInPlace(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.0f);
-    const float fn = (v * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-    const float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof(float));
-    x[i] = y * two_n;
+// ScoresOf for this d: q held in registers where d is 4 or 8 of them.
+template <typename V>
+ORT_LORA_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t stride,
+                            int64_t d, int64_t n, int64_t room, float* __restrict s, float* spare) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  if (d == 4 * W) return ScoresOf<V, 4>(q, k, stride, d, n, room, s, spare);
+  if (W >= 8 && d == 8 * W) return ScoresOf<V, 8>(q, k, stride, d, n, room, s, spare);
+  ScoresOf<V, 0>(q, k, stride, d, n, room, s, spare);
+}
+
+// The sum and the max of a register's lanes, halves folded onto each other (a fixed tree).
+ORT_LORA_INLINE V4 Lo(V8 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
+ORT_LORA_INLINE V4 Hi(V8 v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
+ORT_LORA_INLINE V8 Lo(V16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+ORT_LORA_INLINE V8 Hi(V16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+ORT_LORA_INLINE float LaneSum(V4 v) {
+  const V4 a = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  return a[0] + a[1];
+}
+ORT_LORA_INLINE float LaneSum(V8 v) { return LaneSum(Lo(v) + Hi(v)); }
+ORT_LORA_INLINE float LaneSum(V16 v) { return LaneSum(Lo(v) + Hi(v)); }
+template <typename V>
+ORT_LORA_INLINE V Max(V a, V b) {
+  return a < b ? b : a;  // std::max's, lane-wise
+}
+ORT_LORA_INLINE float LaneMax(V4 v) {
+  const V4 a = Max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+  return std::max(a[0], a[1]);
+}
+ORT_LORA_INLINE float LaneMax(V8 v) { return LaneMax(Max(Lo(v), Hi(v))); }
+ORT_LORA_INLINE float LaneMax(V16 v) { return LaneMax(Max(Lo(v), Hi(v))); }
+
+// exp(x) for x <= 0 in every lane (Cephes expf polynomial, ~1 ulp).
+template <typename V>
+ORT_LORA_INLINE V Exp(V x) {
+  typedef typename Ints<V>::type I;
+  const V v = x < -87.0f ? V{} - 87.0f : x;
+  const V fn = (v * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const I bits = (__builtin_convertvector(fn, I) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof(V));
+  return y * two_n;
+}
+
+// One tile's step of a row's online softmax, in registers: with s[0, n) the tile's scores
+// (n <= N; s has room for N rounded up to whole registers), m the row's running max and l its
+// running sum, s[j] := exp(s[j] - m') for j < n where m' = max(m, s[0, n)), l := l * alpha +
+// the sum of those, m := m'; returns alpha = exp(m - m') (0 before the row's first keys). The
+// scores are read once into registers and their exps summed lane-wise, then by a fixed tree:
+// no chain of n dependent adds, as in the scalar loops this replaced.
+template <typename V, int N>
+ORT_LORA_INLINE float SoftmaxTile(float* s, int64_t n, float& m, float& l) {
+  typedef typename Ints<V>::type I;
+  constexpr int W = sizeof(V) / sizeof(float), G = (N + W - 1) / W;
+  const int64_t groups = (n + W - 1) / W;
+  I index;
+  for (int i = 0; i < W; ++i) index[i] = i;
+  const V lowest = V{} - std::numeric_limits<float>::infinity();
+  V x[G], top = lowest;
+  for (int g = 0; g < G && g < groups; ++g) {
+    x[g] = Load<V>(s + g * W);
+    x[g] = index + g * W < static_cast<int32_t>(n) ? x[g] : lowest;
+    top = Max(top, x[g]);
   }
+  const float m_new = std::max(m, LaneMax(top));
+  V sum = V{};
+  for (int g = 0; g < G && g < groups; ++g) {
+    V e = Exp(x[g] - m_new);
+    e = index + g * W < static_cast<int32_t>(n) ? e : V{};
+    std::memcpy(s + g * W, &e, sizeof(V));
+    sum += e;
+  }
+  const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
+  l = l * alpha + LaneSum(sum);
+  m = m_new;
+  return alpha;
 }
 
 // acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D], each column's sum in j order. The

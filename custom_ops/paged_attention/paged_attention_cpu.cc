@@ -32,8 +32,8 @@ namespace ort_lora {
 namespace {
 
 using attention_math::AccumulateValues;
-using attention_math::ExpInPlace;
 using attention_math::Scores;
+using attention_math::SoftmaxTile;
 using attention_math::V16;
 using attention_math::V4;
 using attention_math::V8;
@@ -211,15 +211,7 @@ ORT_LORA_INLINE void AttendTile(const float* q, const KeyRun* runs, int64_t num_
   }
   if (softcap > 0)
     for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-  float m_new = st.m;
-  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
-  for (int64_t j = 0; j < n; ++j) s[j] -= m_new;
-  ExpInPlace(s, n);
-  float alpha = st.m == kNegInf ? 0.0f : std::exp(st.m - m_new);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += s[j];
-  st.l = st.l * alpha + sum;
-  st.m = m_new;
+  float alpha = SoftmaxTile<V, kTileKeys>(s, n, st.m, st.l);
   for (int64_t r = 0; r < num_runs; ++r) {  // acc * alpha once, then each run's values
     const int64_t a = std::max(lo, runs[r].j), b = std::min(hi, runs[r].j + runs[r].count);
     if (a >= b) continue;
@@ -257,17 +249,21 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
     std::copy(next, next + num_next, runs);
     num_next = j1 < hi ? TileRuns(p, w, j1, tile_end(j1), next) : 0;
     PlanFetches(next, num_next, p.row_stride, parts, fetch);
-    for (int64_t t = w.q_begin; t < w.q_end; ++t) {
-      const int64_t pos = a.past_seqlens[w.seq] + t;
-      const int64_t k0 = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
-      const int64_t k1 = std::min(j1, pos + 1);
-      const int64_t r0 = (t - w.q_begin) * a.num_heads;
-      const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
-      for (int64_t h = 0; h < a.num_heads; ++h) {
-        FetchPart(fetch, num_next, r0 + h);
-        if (k0 >= k1) continue;
-        AttendTile<V>(q + h * d, runs, num_runs, k0, k1, (h / p.group) * d, p.row_stride, d,
-                      a.softcap, st[r0 + h], spare);
+    // One kv head at a time: its rows of the tile (16 KB for SmolLM2) stay in L1 for all of
+    // its query rows, where a token's heads in turn read all three (48 KB).
+    for (int64_t kv = 0; kv < a.kv_num_heads; ++kv) {
+      for (int64_t t = w.q_begin; t < w.q_end; ++t) {
+        const int64_t pos = a.past_seqlens[w.seq] + t;
+        const int64_t k0 = a.local_window >= 0 ? std::max(j, pos - a.local_window) : j;
+        const int64_t k1 = std::min(j1, pos + 1);
+        const int64_t r0 = (t - w.q_begin) * a.num_heads;
+        const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
+        for (int64_t h = kv * p.group; h < (kv + 1) * p.group; ++h) {
+          FetchPart(fetch, num_next, r0 + h);
+          if (k0 >= k1) continue;
+          AttendTile<V>(q + h * d, runs, num_runs, k0, k1, kv * d, p.row_stride, d, a.softcap,
+                        st[r0 + h], spare);
+        }
       }
     }
     j = j1;
