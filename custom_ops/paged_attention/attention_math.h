@@ -255,33 +255,62 @@ ORT_LORA_INLINE float SoftmaxTile(float* s, int64_t n, float& m, float& l) {
   return alpha;
 }
 
-// acc[D] = acc * alpha + sum_j p[j] * v[j * stride + :D], each column's sum in j order. The
-// accumulators are registers of V (64 columns: four AVX-512, eight AVX2 FMA chains) whatever
-// the code around, and the last columns past a multiple of the lanes fused explicitly.
-template <typename V>
+// acc[D] = acc * alpha + sum_j p[j * P] * v[j * stride + :D], each column's sum in j order.
+// The accumulators are registers of V (64 columns: four AVX-512, eight AVX2 FMA chains)
+// whatever the code around, and the last columns past a multiple of the lanes fused
+// explicitly. P: the distance between probabilities, p_stride where kStrided (a block's rows
+// apart), else 1.
+template <typename V, bool kStrided = false>
 ORT_LORA_INLINE void AccumulateValues(float* __restrict acc, const float* __restrict v,
                                       const float* __restrict p, int64_t n, int64_t stride,
-                                      int64_t d, float alpha) {
+                                      int64_t d, float alpha, int64_t p_stride = 1) {
   constexpr int W = sizeof(V) / sizeof(float), R = 64 / W;
+  const int64_t P = kStrided ? p_stride : 1;
   int64_t i = 0;
   for (; i + 64 <= d; i += 64) {
     V r[R];
     for (int k = 0; k < R; ++k) r[k] = Load<V>(acc + i + k * W) * alpha;
     for (int64_t j = 0; j < n; ++j) {
       const float* row = v + j * stride + i;
-      for (int k = 0; k < R; ++k) r[k] += p[j] * Load<V>(row + k * W);
+      for (int k = 0; k < R; ++k) r[k] += p[j * P] * Load<V>(row + k * W);
     }
     std::memcpy(acc + i, r, sizeof(r));
   }
   for (; i + W <= d; i += W) {
     V r = Load<V>(acc + i) * alpha;
-    for (int64_t j = 0; j < n; ++j) r += p[j] * Load<V>(v + j * stride + i);
+    for (int64_t j = 0; j < n; ++j) r += p[j * P] * Load<V>(v + j * stride + i);
     std::memcpy(acc + i, &r, sizeof(r));
   }
   for (; i < d; ++i) {
     float r = acc[i] * alpha;
-    for (int64_t j = 0; j < n; ++j) r = std::fma(p[j], v[j * stride + i], r);
+    for (int64_t j = 0; j < n; ++j) r = std::fma(p[j * P], v[j * stride + i], r);
     acc[i] = r;
+  }
+}
+
+// AccumulateValues (kStrided, its first branch: d a multiple of 64) for M rows that read the
+// same values and keys: row m's accumulators acc[m], its probabilities p + m (p_stride apart),
+// its alpha[m]; each value register loaded once for the M rows (an empty asm keeps the
+// compiler from folding the load into each row's multiply-add again). A row's arithmetic is
+// AccumulateValues'.
+template <typename V, int M>
+ORT_LORA_INLINE void AccumulateValuesRows(float* const* acc, const float* __restrict v,
+                                          const float* __restrict p, int64_t n, int64_t stride,
+                                          int64_t d, const float* alpha, int64_t p_stride) {
+  constexpr int W = sizeof(V) / sizeof(float), R = 64 / W;
+  for (int64_t i = 0; i + 64 <= d; i += 64) {
+    V r[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < R; ++k) r[m][k] = Load<V>(acc[m] + i + k * W) * alpha[m];
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = v + j * stride + i;
+      for (int k = 0; k < R; ++k) {
+        V x = Load<V>(row + k * W);
+        asm("" : "+v"(x));
+        for (int m = 0; m < M; ++m) r[m][k] += p[j * p_stride + m] * x;
+      }
+    }
+    for (int m = 0; m < M; ++m) std::memcpy(acc[m] + i, r[m], sizeof(r[m]));
   }
 }
 
