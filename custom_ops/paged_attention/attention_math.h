@@ -235,7 +235,7 @@ ORT_LORA_INLINE float SoftmaxTile(float* s, int64_t n, float& m, float& l) {
   I index;
   for (int i = 0; i < W; ++i) index[i] = i;
   const V lowest = V{} - std::numeric_limits<float>::infinity();
-  V x[G], top = lowest;
+  V x[G] = {}, top = lowest;
   for (int g = 0; g < G && g < groups; ++g) {
     x[g] = Load<V>(s + g * W);
     x[g] = index + g * W < static_cast<int32_t>(n) ? x[g] : lowest;

@@ -466,31 +466,6 @@ ORT_LORA_INLINE void AttendBlockBody(const BlockTile& t) {
     AttendBlockRows<V, 8>(t);
 }
 
-// The block form's tile out of line, one copy per ISA as the item's (inlined into the item's
-// function, it slowed the per-row form there by 2-7 %: the compiler's choices for that form's
-// loops changed).
-using BlockFn = void (*)(const BlockTile&);
-#ifdef ORT_LORA_ISA_COPIES
-__attribute__((target("arch=x86-64-v4"), noinline)) void AttendBlockAvx512(const BlockTile& t) {
-  AttendBlockBody<V16>(t);
-}
-__attribute__((target("arch=x86-64-v3"), noinline)) void AttendBlockAvx2(const BlockTile& t) {
-  AttendBlockBody<V8>(t);
-}
-__attribute__((noinline)) void AttendBlockBase(const BlockTile& t) { AttendBlockBody<V4>(t); }
-template <typename V>
-constexpr BlockFn kAttendBlock = sizeof(V) == 64   ? AttendBlockAvx512
-                                 : sizeof(V) == 32 ? AttendBlockAvx2
-                                                   : AttendBlockBase;
-#else
-template <typename V>
-__attribute__((noinline)) void AttendBlockOne(const BlockTile& t) {
-  AttendBlockBody<V>(t);
-}
-template <typename V>
-constexpr BlockFn kAttendBlock = AttendBlockOne<V>;
-#endif
-
 // Output row of query row r = token * num_heads + head of item w.
 float* OutputRow(const Problem& p, const WorkItem& w, int64_t r) {
   return p.a.output + ((p.a.cu_seqlens[w.seq] + w.q_begin) * p.a.num_heads + r) * p.a.head_size;
@@ -503,9 +478,18 @@ float* PartialRow(const Problem& p, const WorkItem& w, int64_t seg, int64_t r) {
   return p.partials + w.partial + (seg * rows + r) * width;
 }
 
+// A thread's buffers for the block form.
+struct BlockBuffers {
+  std::vector<float> qt, scores;
+};
+inline BlockBuffers& BlockScratch() {
+  thread_local BlockBuffers buffers;
+  return buffers;
+}
+
 // Every query row of item w over the keys of segment [lo, hi), tile by tile; the next tile's
 // runs are prefetched meanwhile.
-template <typename V>
+template <typename V, bool kBlock>
 ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t lo, int64_t hi,
                                    std::vector<SoftmaxState>& st, float* spare) {
   constexpr int W = sizeof(V) / sizeof(float);
@@ -513,15 +497,13 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
   const int64_t d = a.head_size, parts = (w.q_end - w.q_begin) * a.num_heads;
   KeyRun runs[kTileKeys], next[kTileKeys];
   RunFetch fetch[kTileKeys];
-  // The block form where a kv head has a register of rows or more: q transposed per kv head.
+  // The block form: q transposed per kv head, and the tile's scores.
   const int64_t kv_rows = (w.q_end - w.q_begin) * p.group, rows = CeilDiv(kv_rows, W) * W;
-  const int held = d == 4 * W ? 4 : d == 8 * W ? 8 : 0;
-  const bool block =
-      a.local_window < 0 && held > 0 && kv_rows >= W && rows <= 4 * W && rows <= kMaxBlockRows;
-  thread_local std::vector<float> qt, buf;
-  if (block) {
+  const int held = d == 4 * W ? 4 : 8;
+  if constexpr (kBlock) {
+    std::vector<float>& qt = BlockScratch().qt;
+    BlockScratch().scores.resize(kTileKeys * rows);
     qt.assign(a.kv_num_heads * d * rows, 0.0f);
-    buf.resize(kTileKeys * rows);
     for (int64_t r = 0; r < kv_rows * a.kv_num_heads; ++r) {
       const int64_t kv = r / kv_rows, t = w.q_begin + r % kv_rows / p.group;
       const int64_t h = kv * p.group + r % p.group;
@@ -539,12 +521,13 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
     // One kv head at a time: its rows of the tile (16 KB for SmolLM2) stay in L1 for all of
     // its query rows, where a token's heads in turn read all three (48 KB).
     for (int64_t kv = 0; kv < a.kv_num_heads; ++kv) {
-      if (block) {
+      if constexpr (kBlock) {
         for (int64_t t = 0; t < w.q_end - w.q_begin; ++t)
           for (int64_t h = kv * p.group; h < (kv + 1) * p.group; ++h)
             FetchPart(fetch, num_next, t * a.num_heads + h);
-        const float* q = qt.data() + kv * d * rows;
-        kAttendBlock<V>({p, w, kv, q, rows, held, runs, num_runs, j, j1, st, buf.data()});
+        BlockBuffers& b = BlockScratch();
+        const float* q = b.qt.data() + kv * d * rows;
+        AttendBlockBody<V>({p, w, kv, q, rows, held, runs, num_runs, j, j1, st, b.scores.data()});
         continue;
       }
       for (int64_t t = w.q_begin; t < w.q_end; ++t) {
@@ -565,6 +548,55 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
   }
 }
 
+// Whether item w takes the block form: a kv head has a register's worth of query rows or more
+// (at most 4 registers, kMaxBlockRows), d is 4 or 8 registers, no local window (every row's
+// keys in a tile start at the tile's start).
+template <typename V>
+bool UsesBlockForm(const Problem& p, const WorkItem& w) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  const int64_t d = p.a.head_size, kv_rows = (w.q_end - w.q_begin) * p.group;
+  const int64_t rows = CeilDiv(kv_rows, W) * W;
+  return p.a.local_window < 0 && (d == 4 * W || d == 8 * W) && kv_rows >= W && rows <= 4 * W &&
+         rows <= kMaxBlockRows;
+}
+
+// A segment in the block form, out of line, one copy per ISA as the item's: with both forms
+// inlined into the item's function, the per-row form (decode) ran 2-7 % slower (the compiler's
+// choices for its loops changed).
+using SegmentFn = void (*)(const Problem&, const WorkItem&, int64_t, int64_t,
+                           std::vector<SoftmaxState>&, float*);
+#ifdef ORT_LORA_ISA_COPIES
+__attribute__((target("arch=x86-64-v4"),
+               noinline)) void BlockSegmentAvx512(const Problem& p, const WorkItem& w, int64_t lo,
+                                                  int64_t hi, std::vector<SoftmaxState>& st,
+                                                  float* spare) {
+  AttendSegment<V16, true>(p, w, lo, hi, st, spare);
+}
+__attribute__((target("arch=x86-64-v3"), noinline)) void BlockSegmentAvx2(
+    const Problem& p, const WorkItem& w, int64_t lo, int64_t hi, std::vector<SoftmaxState>& st,
+    float* spare) {
+  AttendSegment<V8, true>(p, w, lo, hi, st, spare);
+}
+__attribute__((noinline)) void BlockSegmentBase(const Problem& p, const WorkItem& w, int64_t lo,
+                                                int64_t hi, std::vector<SoftmaxState>& st,
+                                                float* spare) {
+  AttendSegment<V4, true>(p, w, lo, hi, st, spare);
+}
+template <typename V>
+constexpr SegmentFn kBlockSegment = sizeof(V) == 64   ? BlockSegmentAvx512
+                                    : sizeof(V) == 32 ? BlockSegmentAvx2
+                                                      : BlockSegmentBase;
+#else
+template <typename V>
+__attribute__((noinline)) void BlockSegmentOne(const Problem& p, const WorkItem& w, int64_t lo,
+                                               int64_t hi, std::vector<SoftmaxState>& st,
+                                               float* spare) {
+  AttendSegment<V, true>(p, w, lo, hi, st, spare);
+}
+template <typename V>
+constexpr SegmentFn kBlockSegment = BlockSegmentOne<V>;
+#endif
+
 // Item w, segment by segment: a split item leaves each segment's states in its partial rows
 // (the merge folds them); a whole one accumulates its first segment in the output rows (as
 // Fold would copy it there) and folds the others into them as it goes.
@@ -579,6 +611,7 @@ ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
   folded.resize(rows);
   const int64_t first = FirstSegment(w.ctx_begin), count = Segments(w.ctx_begin, w.ctx_end);
   if (w.partial < 0 && count > 1) scratch.resize(rows * d);
+  const bool block = UsesBlockForm<V>(p, w);
   for (int64_t seg = 0; seg < count; ++seg) {
     const int64_t lo = std::max<int64_t>(w.ctx_begin, (first + seg) * kSegmentKeys);
     const int64_t hi = std::min<int64_t>(w.ctx_end, (first + seg + 1) * kSegmentKeys);
@@ -589,7 +622,10 @@ ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
       st[r] = {kNegInf, 0.0f, acc};
       std::fill(acc, acc + d, 0.0f);
     }
-    AttendSegment<V>(p, w, lo, hi, st, spare.data());
+    if (block)
+      kBlockSegment<V>(p, w, lo, hi, st, spare.data());
+    else
+      AttendSegment<V, false>(p, w, lo, hi, st, spare.data());
     for (int64_t r = 0; r < rows; ++r) {
       if (w.partial >= 0) {
         st[r].acc[-2] = st[r].m;
