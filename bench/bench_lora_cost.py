@@ -151,6 +151,36 @@ def measure(sets: dict, rounds: int) -> dict:
     return runs
 
 
+def in_turn_options(p: argparse.ArgumentParser, rounds: int, rounds_help: str, twin: str) -> None:
+    """The in-turn programs' --rounds (default `rounds`), --threads and --against-library (with
+    which `twin` runs on another build of the op library, in turn)."""
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--against-library",
+        metavar="SO",
+        help=f"another build of the op library: {twin} on it, in turn",
+    )
+
+
+def check_in_turn_options(p: argparse.ArgumentParser, args) -> None:
+    """Usage errors for in_turn_options' values: no round, or no such library file."""
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.against_library and not Path(args.against_library).is_file():
+        p.error(f"--against-library: no such file {args.against_library!r}")
+
+
+def save_doc(doc: dict, out: str, plot) -> None:
+    """doc as JSON at `out` (its folder made) and plot(doc, path) as a PNG beside it; says
+    where."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    plot(doc, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
 def run_doc(program: str, threads: int, **fields) -> dict:
     """A result file's head: the command that made it (bench/`program` with this process's
     arguments), date, CPU, ISA, threads, `fields`, and the load average now."""
@@ -219,13 +249,7 @@ def main(argv=None) -> int:
         help=f"comma-separated, of {SAVED}: the dtypes the adapters are saved in (auto rows: "
         "float16 or bfloat16 ones take 16-bit rows)",
     )
-    p.add_argument("--rounds", type=int, default=6, help="alternating mixed / base rounds")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--against-library",
-        metavar="SO",
-        help="another build of the op library: each mixed engine gets a twin on it, in turn",
-    )
+    in_turn_options(p, 6, "alternating mixed / base rounds", "each mixed engine gets a twin")
     args = p.parse_args(argv)
     names = args.exports.split(",")
     if set(names) - set(EXPORTS):
@@ -233,10 +257,7 @@ def main(argv=None) -> int:
     saved = args.saved.split(",")
     if set(saved) - set(SAVED) or len(set(saved)) < len(saved):
         p.error(f"--saved: distinct dtypes of {list(SAVED)}, got {args.saved!r}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.against_library and not Path(args.against_library).is_file():
-        p.error(f"--against-library: no such file {args.against_library!r}")
+    check_in_turn_options(p, args)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_ops import share_one_pool
@@ -263,12 +284,8 @@ def main(argv=None) -> int:
     )
     doc["exports"] = measure(sets, args.rounds)
     doc["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(doc, out.with_suffix(".png"))
     print(report(doc))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    save_doc(doc, args.out, plot)
     return 0
 
 

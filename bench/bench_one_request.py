@@ -24,14 +24,20 @@ load) as JSON and a plot beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lora_cost import engine, run_doc, step_in_turn  # noqa: E402
+from bench_lora_cost import (  # noqa: E402
+    check_in_turn_options,
+    engine,
+    in_turn_options,
+    run_doc,
+    save_doc,
+    step_in_turn,
+)
 
 PROMPT, NEW_TOKENS, REQUESTS = 8, 64, 4  # requests a round, one at a time
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
@@ -96,20 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/one_request.json")
     p.add_argument("--adapter", default="upper", choices=ADAPTERS, help="the demo adapter")
     p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens of each request")
-    p.add_argument("--rounds", type=int, default=6, help=f"rounds of {REQUESTS} requests each")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--against-library",
-        metavar="SO",
-        help="another build of the op library: both engines get a twin on it, in turn",
-    )
+    in_turn_options(p, 6, f"rounds of {REQUESTS} requests each", "both engines get a twin")
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    check_in_turn_options(p, args)
     if args.prompt < 1:
         p.error(f"--prompt must be at least 1, got {args.prompt}")
-    if args.against_library and not Path(args.against_library).is_file():
-        p.error(f"--against-library: no such file {args.against_library!r}")
 
     from bench_ops import share_one_pool
 
@@ -157,11 +154,7 @@ def main(argv=None) -> int:
     for name, r in doc["ratios"].items():
         print(f"{name}: median {r['median']:.3f}, rounds "
               + " ".join(f"{x:.3f}" for x in r["rounds"]))  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(doc, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    save_doc(doc, args.out, plot)
     return 0
 
 

@@ -27,14 +27,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lora_cost import engine, run_doc, step_in_turn  # noqa: E402
+from bench_lora_cost import (  # noqa: E402
+    check_in_turn_options,
+    engine,
+    in_turn_options,
+    run_doc,
+    save_doc,
+    step_in_turn,
+)
 
 PROMPTS = (500, 1000, 2000)  # --prompts' default
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
@@ -174,13 +180,7 @@ def main(argv=None) -> int:
         default=",".join(map(str, PROMPTS)),
         help=f"prompt lengths in tokens, comma-separated (1 to {MAX_PROMPT})",
     )
-    p.add_argument("--rounds", type=int, default=3, help="rounds of one prompt per length")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--against-library",
-        metavar="SO",
-        help="another build of the op library: a twin engine on it, in turn",
-    )
+    in_turn_options(p, 3, "rounds of one prompt per length", "a twin engine")
     p.add_argument(
         "--llama-cpp",
         action="store_true",
@@ -192,10 +192,7 @@ def main(argv=None) -> int:
         lengths = parse_lengths(args.prompts)
     except ValueError:
         p.error(f"--prompts takes lengths from 1 to {MAX_PROMPT}, got {args.prompts!r}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.against_library and not Path(args.against_library).is_file():
-        p.error(f"--against-library: no such file {args.against_library!r}")
+    check_in_turn_options(p, args)
 
     from bench_ops import share_one_pool
 
@@ -255,11 +252,7 @@ def main(argv=None) -> int:
         for role, by_len in doc["over_this"].items():
             line += f"; {role} / this {by_len[n]['median']:.3f}"
         print(line)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(doc, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    save_doc(doc, args.out, plot)
     return 0
 
 
