@@ -264,6 +264,10 @@ def test_narrower_isa_kernels(isa):
 CUTS = {
     "gqa3": dict(num_heads=9, kv_num_heads=3, head_size=64, block_size=16),
     "block_size_5": dict(num_heads=4, kv_num_heads=2, head_size=64, block_size=5),
+    # a prompt's rows take the block form in the AVX2 and baseline copies (32 = 4 and 8 of
+    # their registers), a decode's the per-row form; 128 in the AVX-512 copy (8 registers)
+    "head_size_32": dict(num_heads=8, kv_num_heads=2, head_size=32, block_size=16),
+    "head_size_128": dict(num_heads=4, kv_num_heads=1, head_size=128, block_size=16),
     "window_softcap": dict(
         num_heads=4, kv_num_heads=1, head_size=40, block_size=16, local_window_size=300,
         softcap=2.0,
