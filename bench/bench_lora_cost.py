@@ -86,6 +86,13 @@ def engine(model: Path, adapters: list, threads: int, library: str | None = None
     return eng, loras
 
 
+def prompt_ids(tokens: int, seed: int = 0) -> list[int]:
+    """A prompt of `tokens` token ids of SmolLM2's vocabulary, drawn with `seed`."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(100, VOCAB, tokens).tolist()
+
+
 def submit(eng, loras: list | None, tag: str) -> None:
     """The benchmark's decode-heavy requests (its "uniform" workload: request i on adapter
     i % 16; loras None: its "base" workload, the same prompts without adapters)."""

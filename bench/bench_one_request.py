@@ -31,25 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lora_cost import (  # noqa: E402
+    VOCAB,  # noqa: F401  (the prompts' vocabulary, for their tests)
     check_in_turn_options,
     engine,
     in_turn_options,
+    prompt_ids,
     run_doc,
     save_doc,
     step_in_turn,
 )
 
 PROMPT, NEW_TOKENS, REQUESTS = 8, 64, 4  # requests a round, one at a time
-VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 ADAPTERS = ("upper", "json", "numwords")  # the demo adapters
 ROLES = ("base", "adapter")
-
-
-def prompt_ids(tokens: int) -> list[int]:
-    """The requests' prompt: `tokens` seeded random token ids."""
-    import numpy as np
-
-    return np.random.default_rng(0).integers(100, VOCAB, tokens).tolist()
 
 
 def one_at_a_time(

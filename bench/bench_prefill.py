@@ -34,24 +34,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lora_cost import (  # noqa: E402
+    VOCAB,  # noqa: F401  (the prompts' vocabulary, for their tests)
     check_in_turn_options,
     engine,
     in_turn_options,
+    prompt_ids,
     run_doc,
     save_doc,
     step_in_turn,
 )
 
 PROMPTS = (500, 1000, 2000)  # --prompts' default
-VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 MAX_PROMPT = 8000  # the engines' context holds prompts up to this many tokens
-
-
-def prompt_ids(tokens: int, seed: int) -> list[int]:
-    """A prompt of `tokens` random token ids drawn with `seed`."""
-    import numpy as np
-
-    return np.random.default_rng(seed).integers(100, VOCAB, tokens).tolist()
 
 
 def first_tokens(engines: dict, prompt: list[int], tag: str) -> dict[str, float]:
