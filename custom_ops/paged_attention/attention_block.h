@@ -33,15 +33,25 @@ using attention_math::Load;
 
 constexpr int kMaxBlockRows = 32;  // a kv head's query rows in an item, most
 
+// Item w's query rows of one kv head (token by token, then its heads): their number, and that
+// padded to whole registers of V (the block form's row count).
+inline int64_t KvRows(const Problem& p, const WorkItem& w) {
+  return (w.q_end - w.q_begin) * p.group;
+}
+template <typename V>
+int64_t BlockRows(const Problem& p, const WorkItem& w) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  return CeilDiv(KvRows(p, w), W) * W;
+}
+
 // Whether item w takes the block form: a kv head has a register's worth of query rows or more
 // (at most 4 registers, kMaxBlockRows), d is 4 or 8 registers, no local window (every row's
 // keys in a tile start at the tile's start).
 template <typename V>
 bool UsesBlockForm(const Problem& p, const WorkItem& w) {
   constexpr int W = sizeof(V) / sizeof(float);
-  const int64_t d = p.a.head_size, kv_rows = (w.q_end - w.q_begin) * p.group;
-  const int64_t rows = CeilDiv(kv_rows, W) * W;
-  return p.a.local_window < 0 && (d == 4 * W || d == 8 * W) && kv_rows >= W && rows <= 4 * W &&
+  const int64_t d = p.a.head_size, rows = BlockRows<V>(p, w);
+  return p.a.local_window < 0 && (d == 4 * W || d == 8 * W) && KvRows(p, w) >= W && rows <= 4 * W &&
          rows <= kMaxBlockRows;
 }
 
@@ -196,14 +206,13 @@ struct BlockTile {
   int64_t kv;          // the kv head
   const float* qt;     // its query rows' q, transposed: [d][rows]
   int64_t rows;        // its query rows, token by token, padded to whole registers
-  int held;            // d in registers: 4 or 8
   const KeyRun* runs;  // the tile's keys [j, j1)
   int64_t num_runs, j, j1;
   std::vector<SoftmaxState>& st;  // the item's rows' states
   float* buf;                     // kTileKeys x rows floats
 };
 
-// Tile t for ROWS rows (t.rows) whose head size is C registers (t.held).
+// Tile t for ROWS rows (t.rows) whose head size is C registers.
 template <typename V, int C, int ROWS>
 ORT_LORA_INLINE void AttendBlock(const BlockTile& t) {
   const Problem& p = t.p;
@@ -276,7 +285,7 @@ ORT_LORA_INLINE void AttendBlockRows(const BlockTile& t) {
 
 template <typename V>
 ORT_LORA_INLINE void AttendBlockBody(const BlockTile& t) {
-  if (t.held == 4)
+  if (t.p.a.head_size == 4 * static_cast<int64_t>(sizeof(V) / sizeof(float)))
     AttendBlockRows<V, 4>(t);
   else
     AttendBlockRows<V, 8>(t);

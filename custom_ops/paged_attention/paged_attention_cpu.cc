@@ -41,6 +41,7 @@ using attention_math::V4;
 using attention_math::V8;
 using paged_attention::AttendBlockBody;
 using paged_attention::BlockBuffers;
+using paged_attention::BlockRows;
 using paged_attention::BlockScratch;
 using paged_attention::CeilDiv;
 using paged_attention::FirstSegment;
@@ -48,6 +49,7 @@ using paged_attention::KeyRun;
 using paged_attention::kNegInf;
 using paged_attention::kSegmentKeys;
 using paged_attention::kTileKeys;
+using paged_attention::KvRows;
 using paged_attention::MakePlan;
 using paged_attention::Plan;
 using paged_attention::Problem;
@@ -220,23 +222,25 @@ float* PartialRow(const Problem& p, const WorkItem& w, int64_t seg, int64_t r) {
 template <typename V, bool kBlock>
 ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t lo, int64_t hi,
                                    std::vector<SoftmaxState>& st, float* spare) {
-  constexpr int W = sizeof(V) / sizeof(float);
   const auto& a = p.a;
   const int64_t d = a.head_size, parts = (w.q_end - w.q_begin) * a.num_heads;
   KeyRun runs[kTileKeys], next[kTileKeys];
   RunFetch fetch[kTileKeys];
-  // The block form: q transposed per kv head, and the tile's scores.
-  const int64_t kv_rows = (w.q_end - w.q_begin) * p.group, rows = CeilDiv(kv_rows, W) * W;
-  const int held = d == 4 * W ? 4 : 8;
+  // The block form: q transposed per kv head, at the item's first segment (the thread's
+  // buffer keeps it for the item's others), and the tile's scores.
+  const int64_t rows = BlockRows<V>(p, w);
   if constexpr (kBlock) {
-    std::vector<float>& qt = BlockScratch().qt;
-    BlockScratch().scores.resize(kTileKeys * rows);
-    qt.assign(a.kv_num_heads * d * rows, 0.0f);
-    for (int64_t r = 0; r < kv_rows * a.kv_num_heads; ++r) {
-      const int64_t kv = r / kv_rows, t = w.q_begin + r % kv_rows / p.group;
-      const int64_t h = kv * p.group + r % p.group;
-      const float* q = p.q + ((a.cu_seqlens[w.seq] + t) * a.num_heads + h) * d;
-      for (int64_t i = 0; i < d; ++i) qt[(kv * d + i) * rows + r % kv_rows] = q[i];
+    if (lo == w.ctx_begin) {
+      const int64_t kv_rows = KvRows(p, w);
+      std::vector<float>& qt = BlockScratch().qt;
+      BlockScratch().scores.resize(kTileKeys * rows);
+      qt.assign(a.kv_num_heads * d * rows, 0.0f);
+      for (int64_t r = 0; r < kv_rows * a.kv_num_heads; ++r) {
+        const int64_t kv = r / kv_rows, t = w.q_begin + r % kv_rows / p.group;
+        const int64_t h = kv * p.group + r % p.group;
+        const float* q = p.q + ((a.cu_seqlens[w.seq] + t) * a.num_heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) qt[(kv * d + i) * rows + r % kv_rows] = q[i];
+      }
     }
   }
   const auto tile_end = [&](int64_t j) { return std::min(hi, (j / kTileKeys + 1) * kTileKeys); };
@@ -255,7 +259,7 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
             FetchPart(fetch, num_next, t * a.num_heads + h);
         BlockBuffers& b = BlockScratch();
         const float* q = b.qt.data() + kv * d * rows;
-        AttendBlockBody<V>({p, w, kv, q, rows, held, runs, num_runs, j, j1, st, b.scores.data()});
+        AttendBlockBody<V>({p, w, kv, q, rows, runs, num_runs, j, j1, st, b.scores.data()});
         continue;
       }
       for (int64_t t = w.q_begin; t < w.q_end; ++t) {
