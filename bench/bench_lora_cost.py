@@ -22,10 +22,11 @@ its GGUF, 16 seeded random rank-16 PEFT adapters of all seven modules), built on
 in that type, which the default export (adapter rows "auto") serves from 16-bit rows. With
 several --saved types each export has a mixed engine per type beside its one base engine, and
 every round serves them all in turn, so their ratios share the rounds. With --against-library
-each mixed engine has a twin on another build of the op library, served in the same rounds (a
-kernel change timed in the engine, in turn with the build it changes). Prints a table, writes
-the rounds and medians (with the command, date, machine and load) as JSON and a plot beside
-it.
+each engine, mixed and base, has a twin on another build of the op library, served in the same
+rounds (a kernel change timed in the engine, in turn with the build it changes: each build's
+LoRA cost, and this build's speed over the other's with and without adapters). Prints a
+table, writes the rounds and medians (with the command, date, machine and load) as JSON and
+a plot beside it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ort_lora.adapter_rows import AUTO, ROW_TYPES
 REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 EXPORTS = ("int4", "float32")
+BASE_ROLES = ("base", "other base")  # the engines that serve the requests without adapters
 SAVED = ("float32", "float16", "bfloat16")  # the dtypes --saved can save the adapters in
 
 
@@ -108,12 +110,12 @@ def submit(eng, loras: list | None, tag: str) -> None:
 
 
 def serve_in_turn(engines: dict, loras: list, tag: str) -> dict[str, float]:
-    """Output tok/s of the 32 requests on each engine of `engines` (role -> engine: "base"
-    serves them without adapters, the others over the 16 adapters; one export), their steps
-    taken in turn: each rate counts only its own engine's steps, and a change in the
-    machine's speed falls on all alike."""
+    """Output tok/s of the 32 requests on each engine of `engines` (role -> engine: those of
+    BASE_ROLES serve them without adapters, the others over the 16 adapters; one export),
+    their steps taken in turn: each rate counts only its own engine's steps, and a change in
+    the machine's speed falls on all alike."""
     for role, eng in engines.items():
-        submit(eng, None if role == "base" else loras, f"{tag}-{role}")
+        submit(eng, None if role in BASE_ROLES else loras, f"{tag}-{role}")
     spent = step_in_turn(engines)[0]
     return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
 
@@ -142,7 +144,9 @@ def step_in_turn(
 
 def measure(sets: dict, rounds: int) -> dict:
     """Per adapter set of an export: tok/s of each round for each engine (mixed, base and,
-    with another library, other) and the ratios to base."""
+    with another library, other and other base: their twins) and the ratios: mixed / base
+    (ratio), other / other base (other_ratio; other / base without an other base), and this
+    build over the other (mixed_speedup: mixed / other, base_speedup: base / other base)."""
     runs = {n: {role: [] for role in engines} for n, (engines, _) in sets.items()}
     for name, (engines, loras) in sets.items():  # warm-up: every adapter's rows
         serve_in_turn(engines, loras, f"warm-{name}")
@@ -151,9 +155,12 @@ def measure(sets: dict, rounds: int) -> dict:
             for role, rate in serve_in_turn(engines, loras, f"{name}-{r}").items():
                 runs[name][role].append(rate)
     for run in runs.values():
-        for role, key in (("mixed", "ratio"), ("other", "other_ratio")):
-            if role in run:
-                run[key] = [m / b for m, b in zip(run[role], run["base"])]
+        other_base = "other base" if "other base" in run else "base"
+        pairs = [("mixed", "base", "ratio"), ("other", other_base, "other_ratio")]
+        pairs += [("mixed", "other", "mixed_speedup"), ("base", "other base", "base_speedup")]
+        for top, bottom, key in pairs:
+            if top in run and bottom in run:
+                run[key] = [m / b for m, b in zip(run[top], run[bottom])]
                 run[f"median_{key}"] = statistics.median(run[key])
     return runs
 
@@ -218,6 +225,11 @@ def report(doc: dict) -> str:
         if "other" in run:
             ratios = " ".join(f"{x:.3f}" for x in run["other_ratio"])
             lines.append(f"{'  other library':<22} {run['median_other_ratio']:>7.3f}  {ratios}")
+        for key, what in (("mixed_speedup", "mixed"), ("base_speedup", "base")):
+            if key in run:
+                ratios = " ".join(f"{x:.3f}" for x in run[key])
+                label = f"  this / other, {what}"
+                lines.append(f"{label:<22} {run[f'median_{key}']:>7.3f}  {ratios}")
     return "\n".join(lines)
 
 
@@ -256,7 +268,7 @@ def main(argv=None) -> int:
         help=f"comma-separated, of {SAVED}: the dtypes the adapters are saved in (auto rows: "
         "float16 or bfloat16 ones take 16-bit rows)",
     )
-    in_turn_options(p, 6, "alternating mixed / base rounds", "each mixed engine gets a twin")
+    in_turn_options(p, 6, "alternating mixed / base rounds", "each engine gets a twin")
     args = p.parse_args(argv)
     names = args.exports.split(",")
     if set(names) - set(EXPORTS):
@@ -273,10 +285,12 @@ def main(argv=None) -> int:
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     sets = {}
     for n in names:  # engines of each export: one per adapter set, and one for the base
-        base = engine(models[n], [], args.threads)[0]
+        base = {"base": engine(models[n], [], args.threads)[0]}
+        if args.against_library:
+            base["other base"] = engine(models[n], [], args.threads, args.against_library)[0]
         for s in saved:
             mixed, loras = engine(models[n], adapters[s], args.threads)
-            engines = {"mixed": mixed, "base": base}
+            engines = {"mixed": mixed, **base}
             if args.against_library:
                 engines["other"] = engine(
                     models[n], adapters[s], args.threads, args.against_library

@@ -64,13 +64,13 @@ class StepsEngine(FakeEngine):
 def test_the_engines_step_in_turn_base_without_adapters(bench):
     log = []
     mixed, base = StepsEngine("m", 3, log), StepsEngine("b", 2, log)
-    other = StepsEngine("o", 1, log)
-    engines = {"mixed": mixed, "base": base, "other": other}
+    other, other_base = StepsEngine("o", 1, log), StepsEngine("ob", 1, log)
+    engines = {"mixed": mixed, "base": base, "other": other, "other base": other_base}
     rates = bench.serve_in_turn(engines, [f"l{i}" for i in range(16)], "r")
-    assert log == ["m", "b", "o", "m", "b", "m"]
-    assert set(rates) == {"mixed", "base", "other"} and all(r > 0 for r in rates.values())
+    assert log == ["m", "b", "o", "ob", "m", "b", "m"]
+    assert set(rates) == set(engines) and all(r > 0 for r in rates.values())
     assert rates["mixed"] < rates["base"] < rates["other"]  # more steps, more time
-    assert [a[3] for a in base.added] == [None] * 32
+    assert [a[3] for a in base.added] == [a[3] for a in other_base.added] == [None] * 32
     assert [a[3] for a in mixed.added][:2] == ["l0", "l1"]
     assert [a[3] for a in other.added] == [a[3] for a in mixed.added]
 
@@ -95,9 +95,26 @@ def test_rounds_and_ratios(bench, monkeypatch):
     assert runs["x"]["median_ratio"] == pytest.approx(0.8)
     assert runs["x"]["other_ratio"] == pytest.approx([0.5, 0.8, 0.7])
     assert runs["x"]["median_other_ratio"] == pytest.approx(0.7)
+    assert "base_speedup" not in runs["x"]  # no base engine on the other library
     doc = {"cpu": "c", "isa": "AVX2", "threads": 2, "adapter_dtype": "int8", "exports": runs}
     text = bench.report(doc)
     assert "0.800" in text and "other library" in text and "0.700" in text
+
+
+def test_twins_of_both_engines_give_each_builds_cost_and_the_speedups(bench, monkeypatch):
+    speeds = {
+        "x-0": {"mixed": 60.0, "base": 100.0, "other": 40.0, "other base": 80.0},
+        "x-1": {"mixed": 45.0, "base": 50.0, "other": 30.0, "other base": 40.0},
+    }
+    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag: speeds.get(tag, {}))
+    engines = dict.fromkeys(("mixed", "base", "other", "other base"), FakeEngine())
+    run = bench.measure({"x": (engines, ["l"])}, rounds=2)["x"]
+    assert run["ratio"] == pytest.approx([0.6, 0.9])
+    assert run["other_ratio"] == pytest.approx([0.5, 0.75])  # other / other base
+    assert run["mixed_speedup"] == pytest.approx([1.5, 1.5])
+    assert run["base_speedup"] == pytest.approx([1.25, 1.25])
+    doc = {"cpu": "c", "isa": "AVX2", "threads": 2, "adapter_dtype": "auto", "exports": {"x": run}}
+    assert "this / other, base" in bench.report(doc) and "1.250" in bench.report(doc)
 
 
 def test_without_another_library_no_other_ratio(bench, monkeypatch):

@@ -83,9 +83,9 @@ def test_paired_times_rotates_the_order_and_keeps_each_fns_times(bench_ops):
 
 def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_path):
     """--against-library: the other build's QuantMatMul on the first session's weights, in
-    both forms for 4 bits (its outputs are checked to agree exactly before timing, so other
-    weights would stop the run), timed in turn; a copy of this checkout's library stands in
-    for another build."""
+    both forms for 4 bits (its outputs are checked to agree within float rounding before
+    timing, so other weights would stop the run), timed in turn; a copy of this checkout's
+    library stands in for another build, so they agree to the bit."""
     import shutil
     import time
 
@@ -94,10 +94,33 @@ def test_against_library_times_the_same_weights_in_another_build(bench_ops, tmp_
     other = tmp_path / "other.so"
     shutil.copy(ort_lora.library_path(), other)
     row = bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter, against=str(other))
-    assert row["vs_library"] > 0 and row["gguf_vs_library"] > 0
+    assert row["vs_library"] > 0 and row["gguf_vs_library"] > 0 and row["library_max_diff"] == 0
     head = bench_ops.bench_quant("t", 3, 64, 80, 8, 2, 2, 0, time.perf_counter, against=str(other))
     assert head["vs_library"] > 0 and "gguf_vs_library" not in head
     assert "vs_library" not in bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter)
+
+
+def test_against_library_stops_on_outputs_past_rounding(bench_ops, tmp_path, monkeypatch):
+    """A build whose QuantMatMul reads other weights (here: drawn from another seed) stops the
+    run before anything is timed, naming how far apart the outputs are."""
+    import shutil
+    import time
+
+    import numpy as np
+
+    import ort_lora
+
+    other = tmp_path / "other.so"
+    shutil.copy(ort_lora.library_path(), other)
+    session = bench_ops.quant_session
+
+    def other_weights(kind, k, n, bits, layers, rng, library=None):
+        rng = np.random.default_rng(7) if library else rng
+        return session(kind, k, n, bits, layers, rng, library)
+
+    monkeypatch.setattr(bench_ops, "quant_session", other_weights)
+    with pytest.raises(SystemExit, match="past float rounding"):
+        bench_ops.bench_quant("t", 3, 64, 80, 4, 2, 2, 0, time.perf_counter, against=str(other))
 
 
 def test_the_default_models_form_carries_the_same_weights(bench_ops):

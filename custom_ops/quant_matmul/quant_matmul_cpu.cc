@@ -42,6 +42,7 @@ void QuantizeRowBase(const Problem& p, int64_t row) {
     p.xscale[row * p.blocks + b] = scale;
     p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
     p.xisum[row * p.blocks + b] = qsum;
+    p.xbias[row * p.blocks + b] = -8 * qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
   }
 }
@@ -73,6 +74,7 @@ __attribute__((target("arch=x86-64-v4"))) void QuantizeRowAvx512(const Problem& 
     const int32_t qsum = _mm512_reduce_add_epi32(isum);
     p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
     p.xisum[row * p.blocks + b] = qsum;
+    p.xbias[row * p.blocks + b] = -8 * qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = _mm512_reduce_add_ps(vsum);
   }
 }
@@ -113,6 +115,7 @@ __attribute__((target("arch=x86-64-v3"))) void QuantizeRowAvx2(const Problem& p,
     p.xscale[row * p.blocks + b] = scale;
     p.xqsum[row * p.blocks + b] = scale * static_cast<float>(qsum);
     p.xisum[row * p.blocks + b] = qsum;
+    p.xbias[row * p.blocks + b] = -8 * qsum;
     if (p.xsum) p.xsum[row * p.blocks + b] = fsum;
   }
 }
@@ -161,17 +164,17 @@ void TileBase(const Problem& p, const TileArgs& t) {
       for (int64_t b = 0; b < p.blocks; ++b) {
         const uint8_t* w = t.codes + b * bs / 8 * kChunkBytes + 4 * c;
         const int8_t* xb = p.xq + row * a.k + b * bs;
-        int32_t dot = 0;
+        const int64_t xt = row * p.blocks + b;
+        int32_t dot = t.zeros ? 0 : p.xbias[xt];  // the zero point 8 in integers
         for (int64_t j = 0; j < bs / 8; ++j)
           for (int i = 0; i < 4; ++i) {
             const uint8_t byte = w[j * kChunkBytes + i];
             dot += xb[8 * j + i] * (byte & 0x0F) + xb[8 * j + 4 + i] * (byte >> 4);
           }
-        const int64_t at = b * kQuantTile + c, xt = row * p.blocks + b;
+        const int64_t at = b * kQuantTile + c;
         const float s = ScaleAt(t, at);
-        const float zero = t.zeros ? static_cast<float>(t.zeros[at]) : 8.0f;
         acc += static_cast<float>(dot) * (s * p.xscale[xt]);
-        acc += -(s * zero) * p.xqsum[xt];
+        if (t.zeros) acc += -(s * static_cast<float>(t.zeros[at])) * p.xqsum[xt];
         if (HasOffsets(t)) acc += OffsetAt(t, at, s) * p.xsum[xt];
       }
       t.y[r * t.ldy + c] = acc;
@@ -206,13 +209,24 @@ void StripFloatX(const Problem& p, const TileArgs& t, int64_t rows) {
 }
 
 #ifdef ORT_LORA_QUANT_X86
+// -scale * zero point of the 16 columns at `at` (t has zero points): what a block's xqsum (x's
+// scale times the sum of its codes) is multiplied by. Without zero points (8) the kernels start
+// a block's int32 dot products from -8 * sum(x codes) instead (xbias): exact, and no float work.
+__attribute__((target("arch=x86-64-v4"), always_inline)) inline __m512 ZeroTermAvx512(
+    const TileArgs& t, int64_t at, __m512 s) {
+  const __m512 zero = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.zeros + at))));
+  return _mm512_mul_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), zero));
+}
+
 // MR rows x NT adjacent strips: MR * NT independent chains of dot products (one row alone
 // would wait on each dpbusd's latency). A chunk's codes are split into nibbles once for all
 // MR rows, and each row's x broadcast once for all NT strips (in registers: vpdpbusd reads
 // neither well from memory). Past the 32 zmm registers (3 rows x 4 strips, 7-8 rows x 2),
 // GCC spills some float sums, which a block touches once. With t.next, the same strips of the
 // next tile are fetched into L2 as these are read. kHalf: t's float16 scales and minimums.
-template <int MR, int NT, bool kHalf>
+// kZeros: t has zero points (ZeroTermAvx512); without them the dot products start from xbias.
+template <int MR, int NT, bool kHalf, bool kZeros>
 __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline void TileAvx512Of(
     const Problem& p, const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
@@ -220,6 +234,7 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline void 
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
+  const int32_t* xbias = p.xbias + t.row * blocks;
   const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* w = t.codes;
@@ -228,8 +243,11 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline void 
     for (int c = 0; c < NT; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i dot[MR][NT];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NT; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start =
+          kZeros ? _mm512_setzero_si512() : _mm512_set1_epi32(xbias[r * blocks + b]);
+      for (int c = 0; c < NT; ++c) dot[r][c] = start;
+    }
     const int8_t* xb = xq + b * a.block_size;
     for (int64_t j = 0; j < chunks; ++j, w += kChunkBytes) {
       if (t.next)
@@ -259,21 +277,18 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"), always_inline)) inline void 
     for (int c = 0; c < NT; ++c) {
       const int64_t at = b * kQuantTile + c * kLanes;
       s[c] = ScalesAvx512<kHalf>(t, at);
-      const __m512 zero = t.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                        reinterpret_cast<const __m128i*>(t.zeros + at))))
-                                  : _mm512_set1_ps(8.0f);
-      wz[c] = _mm512_mul_ps(s[c], _mm512_sub_ps(_mm512_setzero_ps(), zero));
+      if (kZeros) wz[c] = ZeroTermAvx512(t, at, s[c]);
       off[c] = xsum ? OffsetsAvx512<kHalf>(t, at, s[c]) : _mm512_setzero_ps();
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 xs = _mm512_set1_ps(xscale[r * blocks + b]);
-      const __m512 xz = _mm512_set1_ps(xqsum[r * blocks + b]);
+      const __m512 xz = kZeros ? _mm512_set1_ps(xqsum[r * blocks + b]) : _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int c = 0; c < NT; ++c) {
         acc[r][c] =
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(s[c], xs), acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(wz[c], xz, acc[r][c]);
+        if (kZeros) acc[r][c] = _mm512_fmadd_ps(wz[c], xz, acc[r][c]);
       }
       if (xsum) {
         const __m512 xf = _mm512_set1_ps(xsum[r * blocks + b]);
@@ -294,9 +309,11 @@ template <int MR, int NT>
 __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Problem& p,
                                                                      const TileArgs& t) {
   if (t.half_scales) {
-    TileAvx512Of<MR, NT, true>(p, t);
+    TileAvx512Of<MR, NT, true, false>(p, t);
+  } else if (t.zeros) {
+    TileAvx512Of<MR, NT, false, true>(p, t);
   } else {
-    TileAvx512Of<MR, NT, false>(p, t);
+    TileAvx512Of<MR, NT, false, false>(p, t);
   }
 }
 
@@ -307,17 +324,16 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) void TileAvx512(const Probl
 // read a tile's codes in order and share each broadcast of x (one row: the whole tile).
 constexpr int64_t kAvx2Flush = 4;  // chunks (of 8 k) summed in int16 before widening
 
-// -scale * zero point of the 8 columns at `at` (8 without a zeros input): what a block's
-// xqsum (x's scale times the sum of its codes) is multiplied by.
+// ZeroTermAvx512's 8 columns (without zero points the kernels add xbias to a block's int32
+// dot products).
 __attribute__((target("arch=x86-64-v3"), always_inline)) inline __m256 ZeroTermAvx2(
     const TileArgs& t, int64_t at, __m256 s) {
-  const __m256 zero = t.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                    reinterpret_cast<const __m128i*>(t.zeros + at))))
-                              : _mm256_set1_ps(8.0f);
+  const __m256 zero = _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.zeros + at))));
   return _mm256_mul_ps(s, _mm256_sub_ps(_mm256_setzero_ps(), zero));
 }
 
-template <int MR, int NH, bool kHalf>
+template <int MR, int NH, bool kHalf, bool kZeros>
 __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(const Problem& p,
                                                                                 const TileArgs& t) {
   const QuantMatMulArgs& a = *p.a;
@@ -325,6 +341,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
+  const int32_t* xbias = p.xbias + t.row * blocks;
   const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* w = t.codes;
@@ -364,7 +381,9 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
-          const __m256i dot = _mm256_madd_epi16(sum16[r][h], ones);
+          __m256i dot = _mm256_madd_epi16(sum16[r][h], ones);
+          if (!kZeros && j0 == 0)  // the block's zero point, once
+            dot = _mm256_add_epi32(dot, _mm256_set1_epi32(xbias[r * blocks + b]));
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sx, acc[r][h]);
         }
       }
@@ -373,11 +392,12 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(
     for (int h = 0; h < NH; ++h) {
       const int64_t at = b * kQuantTile + 8 * h;
       const __m256 s = ScalesAvx2<kHalf>(t, at);
-      const __m256 wz = ZeroTermAvx2(t, at, s);
+      const __m256 wz = kZeros ? ZeroTermAvx2(t, at, s) : _mm256_setzero_ps();
       const __m256 off = xsum ? OffsetsAvx2<kHalf>(t, at, s) : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r][h]);
+        if (kZeros)
+          acc[r][h] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r][h]);
         if (xsum) acc[r][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[r * blocks + b]), acc[r][h]);
       }
     }
@@ -392,9 +412,11 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalvesAvx2(
 // One row: the whole tile (4 strips, 8 halves) in one pass.
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Row(const Problem& p, const TileArgs& t) {
   if (t.half_scales) {
-    HalvesAvx2<1, 8, true>(p, t);
+    HalvesAvx2<1, 8, true, false>(p, t);
+  } else if (t.zeros) {
+    HalvesAvx2<1, 8, false, true>(p, t);
   } else {
-    HalvesAvx2<1, 8, false>(p, t);
+    HalvesAvx2<1, 8, false, false>(p, t);
   }
 }
 
@@ -410,7 +432,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void AddEpi16(__
 // kAvx2Flush chunks (32 k) is unrolled and summed in int16, then widened once. kBlockChunks:
 // a block's chunks when the block is one group or less (2 or 4), else 0 (groups of 4). With
 // kPrefetch, t.next's line of the strip is fetched into L2 as each chunk is read.
-template <int MR, int kBlockChunks, bool kPrefetch, bool kHalf>
+template <int MR, int kBlockChunks, bool kPrefetch, bool kHalf, bool kZeros>
 __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Rows(const Problem& p,
                                                                                   const TileArgs& t,
                                                                                   int64_t half) {
@@ -421,6 +443,7 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
   const int8_t* xq = p.xq + t.row * k;
   const float* xscale = p.xscale + t.row * blocks;
   const float* xqsum = p.xqsum + t.row * blocks;
+  const int32_t* xbias = p.xbias + t.row * blocks;
   const float* xsum = HasOffsets(t) ? p.xsum + t.row * blocks : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t columns = std::min<int64_t>(8, t.columns - 8 * half);
@@ -457,17 +480,25 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const __m256i wide = _mm256_madd_epi16(sum[r], ones);
-        dot[r] = kBlockChunks || g == 0 ? wide : _mm256_add_epi32(dot[r], wide);
+        if (kBlockChunks || g == 0) {  // the block's zero point (8) as -8 * sum(x codes)
+          dot[r] = kZeros ? wide : _mm256_add_epi32(wide, _mm256_set1_epi32(xbias[r * blocks + b]));
+        } else {
+          dot[r] = _mm256_add_epi32(dot[r], wide);
+        }
       }
     }
     const int64_t at = b * kQuantTile + 8 * half;
     const __m256 s = ScalesAvx2<kHalf>(t, at);
-    const __m256 wz = ZeroTermAvx2(t, at, s);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xscale[r * blocks + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sx, acc[r]);
-      acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
+    }
+    if (kZeros) {
+      const __m256 wz = ZeroTermAvx2(t, at, s);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(xqsum[r * blocks + b]), acc[r]);
     }
     if (xsum) {
       const __m256 off = OffsetsAvx2<kHalf>(t, at, s);
@@ -481,34 +512,36 @@ __attribute__((target("arch=x86-64-v3"), always_inline)) inline void HalfAvx2Row
 
 // MR rows x one strip, half by half (the first half fetches the next tile's line of the strip,
 // which holds both halves).
-template <int MR, int kBlockChunks, bool kHalf>
+template <int MR, int kBlockChunks, bool kHalf, bool kZeros>
 __attribute__((target("arch=x86-64-v3"))) void StripAvx2Rows(const Problem& p, const TileArgs& t) {
   if (t.next) {
-    HalfAvx2Rows<MR, kBlockChunks, true, kHalf>(p, t, 0);
+    HalfAvx2Rows<MR, kBlockChunks, true, kHalf, kZeros>(p, t, 0);
   } else {
-    HalfAvx2Rows<MR, kBlockChunks, false, kHalf>(p, t, 0);
+    HalfAvx2Rows<MR, kBlockChunks, false, kHalf, kZeros>(p, t, 0);
   }
-  if (t.columns > 8) HalfAvx2Rows<MR, kBlockChunks, false, kHalf>(p, t, 1);
+  if (t.columns > 8) HalfAvx2Rows<MR, kBlockChunks, false, kHalf, kZeros>(p, t, 1);
 }
 
-template <int MR, bool kHalf>
+template <int MR, bool kHalf, bool kZeros>
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2RowsOf(const Problem& p, const TileArgs& t) {
   switch (p.a->block_size) {
     case 16:
-      return StripAvx2Rows<MR, 2, kHalf>(p, t);
+      return StripAvx2Rows<MR, 2, kHalf, kZeros>(p, t);
     case 32:
-      return StripAvx2Rows<MR, 4, kHalf>(p, t);
+      return StripAvx2Rows<MR, 4, kHalf, kZeros>(p, t);
     default:
-      return StripAvx2Rows<MR, 0, kHalf>(p, t);
+      return StripAvx2Rows<MR, 0, kHalf, kZeros>(p, t);
   }
 }
 
 template <int MR>
 __attribute__((target("arch=x86-64-v3"))) void TileAvx2Rows(const Problem& p, const TileArgs& t) {
   if (t.half_scales) {
-    TileAvx2RowsOf<MR, true>(p, t);
+    TileAvx2RowsOf<MR, true, false>(p, t);
+  } else if (t.zeros) {
+    TileAvx2RowsOf<MR, false, true>(p, t);
   } else {
-    TileAvx2RowsOf<MR, false>(p, t);
+    TileAvx2RowsOf<MR, false, false>(p, t);
   }
 }
 #endif
@@ -621,17 +654,11 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> stats;
   thread_local std::vector<int32_t> isums;
-  Problem p{&a,
-            a.k / a.block_size,
-            (a.n + kQuantTile - 1) / kQuantTile,
-            0,
-            0,
-            nullptr,
-            nullptr,
-            nullptr,
-            nullptr,
-            nullptr,
-            a.block_size * a.bits / 32};
+  Problem p{};
+  p.a = &a;
+  p.blocks = a.k / a.block_size;
+  p.tiles = (a.n + kQuantTile - 1) / kQuantTile;
+  p.chunks = a.block_size * a.bits / 32;
   p.row_chunks = (a.m + kChunkRows - 1) / kChunkRows;
   const int64_t wanted = std::max<int64_t>(1, kTargetItems / p.row_chunks);
   p.tiles_per_item = std::max<int64_t>(1, (p.tiles + wanted - 1) / wanted);
@@ -641,8 +668,9 @@ void QuantMatMulCpu(const QuantMatMulArgs& a, const ParallelFor& parallel) {
   p.xscale = stats.data();
   p.xqsum = p.xscale + a.m * p.blocks;
   p.xsum = a.offsets || a.minimums ? p.xqsum + a.m * p.blocks : nullptr;
-  isums.resize(a.m * p.blocks);
+  isums.resize(a.m * p.blocks * 2);
   p.xisum = isums.data();
+  p.xbias = p.xisum + a.m * p.blocks;
 
   if (a.float_x) {
     parallel(static_cast<size_t>(p.tiles * kStrips), [&](size_t strip) {
