@@ -8,8 +8,8 @@
                   segments composing 2 adapters vs 1 (target: the extra cost is the second
                   adapter's bytes: compare with one adapter of twice the rank, same bytes)
   PagedAttention  decode vs np.copyto of the same K+V bytes -> bandwidth ratio (target >= 50 %);
-                  and SmolLM2's prefill (a 512-token prompt; a 64-token tail after 448
-                  cached) -> time and GFLOPS
+                  and SmolLM2's prefill (a 512- and a 2,000-token prompt; a 64-token tail
+                  after 448 cached) -> time and GFLOPS
   QuantMatMul     4-bit weights (asymmetric, block 32) x float rows quantized to int8, vs ONNX
                   Runtime's MatMulNBits (accuracy_level 4) on the same weights and float32
                   MatMul, and the same weights in the default model's GGUF Q4_1 form (a
@@ -27,7 +27,8 @@
                   data in L1 (of_q4_loop: what scales, memory and the op around it cost);
                   with --against-library, the same op of another build in turn (vs_library;
                   gguf_vs_library: the default model's form; library_max_diff: how far
-                  their outputs are apart, within float rounding or the run stops)
+                  their outputs are apart, within float rounding or the run stops); the
+                  same for PagedAttention's cases
 
 Usage: python bench/bench_ops.py [--quick] [--only SECTION ...] [--cases TEXT ...]
                                 [--out results/bench_ops.json]
@@ -114,6 +115,22 @@ def paired_times(fns, reps: int, clock, warmup: int = 3) -> list[tuple[float, fl
             fns[at]()
             times[at].append(clock() - t0)
     return [(float(np.median(t)), float(np.min(t))) for t in times]
+
+
+LIBRARY_RTOL = 1e-5  # --against-library: how far apart the two builds' outputs may be
+
+
+def check_apart(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
+    """How far apart two builds' outputs of the same op on the same inputs are, as a share of
+    the largest |ours|; past LIBRARY_RTOL (more than float rounding: other weights, another
+    product) the run stops, naming `what`."""
+    apart = float(np.abs(ours - theirs).max() / max(np.abs(ours).max(), 1e-30))
+    if apart > LIBRARY_RTOL:
+        raise SystemExit(
+            f"{what}: outputs {apart:.1e} of the largest apart, past float rounding "
+            f"({LIBRARY_RTOL:g}): other weights or another product"
+        )
+    return apart
 
 
 def one_node_session(op, inputs, outputs, *, library=None, **attrs) -> ort.InferenceSession:
@@ -436,10 +453,11 @@ def pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block):
     return pa_inputs(rng, [context - 1] * seqs, [1] * seqs, heads, kv_heads, head_dim, block)
 
 
-def pa_runner(feeds, heads, kv_heads, head_dim, library=None):
+def pa_runner(feeds, heads, kv_heads, head_dim, library=None, out=None):
     """A one-node PagedAttention session over `feeds` (on `library`, else this checkout's op
-    library), bound, run once: its run function."""
-    out = np.empty_like(feeds["query"])
+    library), bound to write `out` (default: a buffer of its own), run once: its run
+    function."""
+    out = np.empty_like(feeds["query"]) if out is None else out
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim**-0.5)
     sess = one_node_session(
         "PagedAttention", PA_INPUTS, [("output", F32, 2)], library=library, **attrs
@@ -449,23 +467,46 @@ def pa_runner(feeds, heads, kv_heads, head_dim, library=None):
     return run_op
 
 
-def bench_paged_attention_prefill(past, new, heads, kv_heads, head_dim, block, reps, seed, clock):
-    """A prefill chunk of one sequence (causal, over its cached past too): time and GFLOPS."""
+def pa_timed(run_op, feeds, heads, kv_heads, head_dim, reps, clock, against=None):
+    """(median, min) seconds of `run_op` (this build's PagedAttention on `feeds`) and, with
+    `against` (another build's op library), that build's on the same feeds in turn
+    (paired_times), after checking the two outputs agree within float rounding: {vs_library:
+    its time / this one's, library_max_diff}, else {}."""
+    if not against:
+        return run_times(run_op, reps, clock), {}
+    ours, theirs = np.empty_like(feeds["query"]), np.empty_like(feeds["query"])
+    mine = pa_runner(feeds, heads, kv_heads, head_dim, out=ours)
+    other = pa_runner(feeds, heads, kv_heads, head_dim, against, out=theirs)
+    diff = check_apart(ours, theirs, f"PagedAttention ({against})")
+    (t_op, t_min), (t_other, _) = paired_times([mine, other], reps, clock)
+    return (t_op, t_min), {"vs_library": t_other / t_op, "library_max_diff": diff}
+
+
+def bench_paged_attention_prefill(
+    past, new, heads, kv_heads, head_dim, block, reps, seed, clock, against=None
+):
+    """A prefill chunk of one sequence (causal, over its cached past too): time and GFLOPS
+    (against: another build's op library, timed in turn: pa_timed)."""
     rng = np.random.default_rng(seed)
     feeds = pa_inputs(rng, [past], [new], heads, kv_heads, head_dim, block)
     run_op = pa_runner(feeds, heads, kv_heads, head_dim)
     keys = sum(past + t + 1 for t in range(new))  # (query, key) pairs, each scored and summed
-    t_op, t_op_min = run_times(run_op, reps, clock)
+    (t_op, t_op_min), extra = pa_timed(
+        run_op, feeds, heads, kv_heads, head_dim, reps, clock, against
+    )
     return {
         "case": f"prefill {new} after {past}", "past": past, "new": new, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "block": block,
         "op_ms": t_op * 1e3, "op_gflops": 4 * heads * head_dim * keys / t_op / 1e9,
-        "op_min_ms": t_op_min * 1e3,
+        "op_min_ms": t_op_min * 1e3, **extra,
     }  # fmt: skip
 
 
-def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps, seed, clock):
-    """Returns the result row, or None (with a printed reason) when the kernel is missing."""
+def bench_paged_attention(
+    seqs, context, heads, kv_heads, head_dim, block, reps, seed, clock, against=None
+):
+    """Returns the result row, or None (with a printed reason) when the kernel is missing
+    (against: another build's op library, timed in turn: pa_timed)."""
     rng = np.random.default_rng(seed)
     feeds = pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block)
     try:
@@ -476,7 +517,9 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
     kv_bytes = 2 * seqs * context * kv_heads * head_dim * 4  # K and V read once
     src = np.ones(kv_bytes // 4, np.float32)
     dst = np.empty_like(src)
-    t_op, t_op_min = run_times(run_op, reps, clock)
+    (t_op, t_op_min), extra = pa_timed(
+        run_op, feeds, heads, kv_heads, head_dim, reps, clock, against
+    )
     t_copy, t_copy_min = run_times(lambda: np.copyto(dst, src), reps, clock)
     return {
         "case": "decode", "seqs": seqs, "context": context, "heads": heads,
@@ -485,7 +528,7 @@ def bench_paged_attention(seqs, context, heads, kv_heads, head_dim, block, reps,
         "op_gbps": kv_bytes / t_op / 1e9, "memcpy_gbps": kv_bytes / t_copy / 1e9,
         "ratio": t_copy / t_op,
         "op_min_ms": t_op_min * 1e3, "memcpy_min_ms": t_copy_min * 1e3,
-        "ratio_min": t_copy_min / t_op_min,
+        "ratio_min": t_copy_min / t_op_min, **extra,
     }  # fmt: skip
 
 
@@ -598,9 +641,6 @@ def quant_cases(quick: bool):
         yield (f"lm_head8 x{rows}", rows, 576, 49152, 8, 4)
 
 
-LIBRARY_RTOL = 1e-5  # --against-library: how far apart the two builds' outputs may be
-
-
 def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None):
     """4 bits: QuantMatMul on the weights in the default model's form too (gguf_*: the same W
     as GGUF Q4_1 blocks, float16 scales and minimums for the zero points). against: another
@@ -632,12 +672,7 @@ def bench_quant(name, rows, k, n, bits, layers, reps, seed, clock, against=None)
     for kind in twins:  # the first session's weights, on `against`
         other = quant_session(kind, k, n, bits, layers, first_weights(), against)
         for a, b in zip(mine[kind].run(None, x), other.run(None, x)):
-            apart = max(apart, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
-        if apart > LIBRARY_RTOL:
-            raise SystemExit(
-                f"{name} ({kind}): outputs differ from {against}'s by {apart:.1e} of the largest, "
-                f"past float rounding ({LIBRARY_RTOL:g}): other weights or another product"
-            )
+            apart = max(apart, check_apart(a, b, f"{name} ({kind}, {against})"))
         sessions.append(other)
     times = paired_times([lambda s=s: s.run(None, x) for s in sessions], reps, clock)
     (quant, quant_min), (nbits, _), (f32, _) = [(m / layers, lo / layers) for m, lo in times[:3]]
@@ -799,8 +834,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--against-library",
         metavar="SO",
-        help="also time QuantMatMul of this op library file (a build of another commit) on the "
-        "same weights, in turn with this checkout's: vs_library = its time / this one's",
+        help="also time QuantMatMul and PagedAttention of this op library file (a build of "
+        "another commit) on the same inputs, in turn with this checkout's: vs_library = its "
+        "time / this one's",
     )
     args = parser.parse_args(argv)
     if args.cpu_time and args.threads != 1:
@@ -862,11 +898,12 @@ def main(argv=None) -> int:
     if "attention" in only:
         print(f"[{total}/{total}] PagedAttention decode ...", flush=True)
         seqs = 8 if args.quick else 32
-        pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, seed=99, clock=clock)
-        if pa is not None:  # SmolLM2's attention (9 / 3 heads of 64): a prompt, a prompt's tail
-            chunks = [(0, 256), (192, 64)] if args.quick else [(0, 512), (448, 64)]
+        against = args.against_library
+        pa = bench_paged_attention(seqs, 1024, 32, 8, 128, 16, reps, 99, clock, against)
+        if pa is not None:  # SmolLM2's attention (9 / 3 heads of 64): prompts, a prompt's tail
+            chunks = [(0, 256), (192, 64)] if args.quick else [(0, 512), (0, 2000), (448, 64)]
             pa_prefill = [
-                bench_paged_attention_prefill(past, new, 9, 3, 64, 16, reps, 98, clock)
+                bench_paged_attention_prefill(past, new, 9, 3, 64, 16, reps, 98, clock, against)
                 for past, new in chunks
             ]
     cols = ["case", "rows", "op_ms", "blas_ms", "op_gflops", "blas_gflops", "ratio", "ratio_min"]
@@ -897,10 +934,11 @@ def main(argv=None) -> int:
     title += f" the AVX2 4-bit kernel's loop alone: {roof})"
     print_table(title, quant_rows, cols)
     if pa is not None:
+        other = ["vs_library"] if args.against_library else []
         cols = ["case", "seqs", "context", "kv_mb", "op_ms", "memcpy_ms", "op_gbps", "ratio"]
-        cols += ["ratio_min"]
+        cols += ["ratio_min", *other]
         print_table("PagedAttention vs np.copyto of K+V (ratio = copy time / op time)", [pa], cols)
-        cols = ["case", "heads", "head_dim", "op_ms", "op_gflops", "op_min_ms"]
+        cols = ["case", "heads", "head_dim", "op_ms", "op_gflops", "op_min_ms", *other]
         print_table("PagedAttention prefill (one sequence, causal)", pa_prefill, cols)
     result = {
         "clock": "thread_cpu" if args.cpu_time else "wall",

@@ -1,6 +1,7 @@
 """bench/bench_ops.py's QuantMatMul context: the int8 multiply-add and float32 FMA roofs it
 builds from bench/int8_roof.cc, the kernel ISA it reports and the other build it can time
-beside this one (the numbers themselves are the benchmark's, never checked here)."""
+beside this one, QuantMatMul's and PagedAttention's (the numbers themselves are the
+benchmark's, never checked here)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,23 @@ def test_benchmark_sessions_share_one_thread_pool():
     assert done.returncode == 0, done.stderr
     before, after = map(int, done.stdout.split())
     assert after == before
+
+
+def test_against_library_times_paged_attention_in_another_build(bench_ops, tmp_path):
+    """--against-library also reaches PagedAttention's cases: a decode and a prefill timed in
+    turn with the other build on the same inputs, the outputs checked first (a copy of this
+    checkout's library: the same bits)."""
+    import shutil
+    import time
+
+    import ort_lora
+
+    other = str(shutil.copy(ort_lora.library_path(), tmp_path / "other.so"))
+    clock = time.perf_counter
+    decode = bench_ops.bench_paged_attention(2, 40, 4, 2, 16, 16, 2, 0, clock, against=other)
+    prefill = bench_ops.bench_paged_attention_prefill(8, 24, 4, 2, 16, 16, 2, 0, clock, other)
+    for row in (decode, prefill):
+        assert row["vs_library"] > 0 and row["library_max_diff"] == 0 and row["op_ms"] > 0
+    assert "vs_library" not in bench_ops.bench_paged_attention_prefill(
+        8, 24, 4, 2, 16, 16, 2, 0, clock
+    )
