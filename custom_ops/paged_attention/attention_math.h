@@ -310,7 +310,8 @@ ORT_LORA_INLINE void AccumulateValuesRows(float* const* acc, const float* __rest
         for (int m = 0; m < M; ++m) r[m][k] += p[j * p_stride + m] * x;
       }
     }
-    for (int m = 0; m < M; ++m) std::memcpy(acc[m] + i, r[m], sizeof(r[m]));
+    for (int m = 0; m < M; ++m)  // register by register: a copy of all of r[m] went by the stack
+      for (int k = 0; k < R; ++k) std::memcpy(acc[m] + i + k * W, &r[m][k], sizeof(V));
   }
 }
 
