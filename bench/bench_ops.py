@@ -467,18 +467,17 @@ def pa_runner(feeds, heads, kv_heads, head_dim, library=None, out=None):
     return run_op
 
 
-def pa_timed(run_op, feeds, heads, kv_heads, head_dim, reps, clock, against=None):
-    """(median, min) seconds of `run_op` (this build's PagedAttention on `feeds`) and, with
-    `against` (another build's op library), that build's on the same feeds in turn
-    (paired_times), after checking the two outputs agree within float rounding: {vs_library:
-    its time / this one's, library_max_diff}, else {}."""
+def pa_timed(run_op, out, feeds, heads, kv_heads, head_dim, reps, clock, against=None):
+    """(median, min) seconds of `run_op` (this build's PagedAttention on `feeds`, writing
+    `out`) and, with `against` (another build's op library), that build's on the same feeds in
+    turn (paired_times), after checking the two outputs agree within float rounding:
+    {vs_library: its time / this one's, library_max_diff}, else {}."""
     if not against:
         return run_times(run_op, reps, clock), {}
-    ours, theirs = np.empty_like(feeds["query"]), np.empty_like(feeds["query"])
-    mine = pa_runner(feeds, heads, kv_heads, head_dim, out=ours)
+    theirs = np.empty_like(out)
     other = pa_runner(feeds, heads, kv_heads, head_dim, against, out=theirs)
-    diff = check_apart(ours, theirs, f"PagedAttention ({against})")
-    (t_op, t_min), (t_other, _) = paired_times([mine, other], reps, clock)
+    diff = check_apart(out, theirs, f"PagedAttention ({against})")
+    (t_op, t_min), (t_other, _) = paired_times([run_op, other], reps, clock)
     return (t_op, t_min), {"vs_library": t_other / t_op, "library_max_diff": diff}
 
 
@@ -489,10 +488,11 @@ def bench_paged_attention_prefill(
     (against: another build's op library, timed in turn: pa_timed)."""
     rng = np.random.default_rng(seed)
     feeds = pa_inputs(rng, [past], [new], heads, kv_heads, head_dim, block)
-    run_op = pa_runner(feeds, heads, kv_heads, head_dim)
+    out = np.empty_like(feeds["query"])
+    run_op = pa_runner(feeds, heads, kv_heads, head_dim, out=out)
     keys = sum(past + t + 1 for t in range(new))  # (query, key) pairs, each scored and summed
     (t_op, t_op_min), extra = pa_timed(
-        run_op, feeds, heads, kv_heads, head_dim, reps, clock, against
+        run_op, out, feeds, heads, kv_heads, head_dim, reps, clock, against
     )
     return {
         "case": f"prefill {new} after {past}", "past": past, "new": new, "heads": heads,
@@ -510,7 +510,8 @@ def bench_paged_attention(
     rng = np.random.default_rng(seed)
     feeds = pa_feeds(rng, seqs, context, heads, kv_heads, head_dim, block)
     try:
-        run_op = pa_runner(feeds, heads, kv_heads, head_dim)
+        out = np.empty_like(feeds["query"])
+        run_op = pa_runner(feeds, heads, kv_heads, head_dim, out=out)
     except Exception as e:  # the kernel is written in parallel with this benchmark
         print(f"PagedAttention kernel not available: {str(e).splitlines()[0][:160]}")
         return None
@@ -518,7 +519,7 @@ def bench_paged_attention(
     src = np.ones(kv_bytes // 4, np.float32)
     dst = np.empty_like(src)
     (t_op, t_op_min), extra = pa_timed(
-        run_op, feeds, heads, kv_heads, head_dim, reps, clock, against
+        run_op, out, feeds, heads, kv_heads, head_dim, reps, clock, against
     )
     t_copy, t_copy_min = run_times(lambda: np.copyto(dst, src), reps, clock)
     return {
