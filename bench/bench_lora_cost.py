@@ -7,6 +7,7 @@ the same 32 requests with no adapter, on each export, in alternating rounds.
     python bench/bench_lora_cost.py --saved float16  # the same adapters saved in float16
     python bench/bench_lora_cost.py --saved float32,float16  # both sets, in the same rounds
     python bench/bench_lora_cost.py --against-library OLD.so  # a kernel change, in turn
+    python bench/bench_lora_cost.py --scattered-pages  # KV blocks scattered over the pool
 
 `ort-lora bench --experiments quant` times each row in a process of its own, one after
 another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
@@ -69,9 +70,17 @@ def build(
     return {n: made[n]() for n in names}, adapters
 
 
-def engine(model: Path, adapters: list, threads: int, library: str | None = None, base_graph=None):
+def engine(
+    model: Path,
+    adapters: list,
+    threads: int,
+    library: str | None = None,
+    base_graph=None,
+    scattered: bool = False,
+):
     """An LLMEngine on `model` with every adapter registered (rows copied into the pool), its
-    ops from `library` (default: this build's), EngineConfig.base_graph `base_graph`."""
+    ops from `library` (default: this build's), EngineConfig.base_graph `base_graph`; with
+    `scattered`, its free pages put in one seeded random order first (PagePool.scatter_free)."""
     from ort_lora.config import EngineConfig
     from ort_lora.engine.llm_engine import LLMEngine
     from ort_lora.lora_request import LoRARequest
@@ -82,6 +91,8 @@ def engine(model: Path, adapters: list, threads: int, library: str | None = None
     override = {"ORT_LORA_LIBRARY": library} if library else {}
     with mock.patch.dict(os.environ, override):  # read once, when the session is made
         eng = LLMEngine(str(model), config, intra_op_num_threads=threads, seed=0)
+    if scattered:
+        eng.pool.scatter_free()
     loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     for lora in loras:
         eng.add_lora(lora)
@@ -215,6 +226,7 @@ def report(doc: dict) -> str:
     lines = [
         f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
         f"adapter rows {doc['adapter_dtype']}, adapters saved in {doc.get('saved', 'float32')}"
+        f"{', pages scattered' if doc.get('scattered_pages') else ''}"
         "): 16 adapters mixed / base, decode-heavy",
         f"{'export':<22} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
     ]
@@ -268,6 +280,12 @@ def main(argv=None) -> int:
         help=f"comma-separated, of {SAVED}: the dtypes the adapters are saved in (auto rows: "
         "float16 or bfloat16 ones take 16-bit rows)",
     )
+    p.add_argument(
+        "--scattered-pages",
+        action="store_true",
+        help="every engine's free pages in one random order, as in a pool after many requests "
+        "have come and gone (requests' KV blocks then lie scattered over the pool)",
+    )
     in_turn_options(p, 6, "alternating mixed / base rounds", "each engine gets a twin")
     args = p.parse_args(argv)
     names = args.exports.split(",")
@@ -284,16 +302,19 @@ def main(argv=None) -> int:
     models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, saved)
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     sets = {}
+    scattered = args.scattered_pages
     for n in names:  # engines of each export: one per adapter set, and one for the base
-        base = {"base": engine(models[n], [], args.threads)[0]}
+        base = {"base": engine(models[n], [], args.threads, scattered=scattered)[0]}
         if args.against_library:
-            base["other base"] = engine(models[n], [], args.threads, args.against_library)[0]
+            base["other base"] = engine(
+                models[n], [], args.threads, args.against_library, scattered=scattered
+            )[0]
         for s in saved:
-            mixed, loras = engine(models[n], adapters[s], args.threads)
+            mixed, loras = engine(models[n], adapters[s], args.threads, scattered=scattered)
             engines = {"mixed": mixed, **base}
             if args.against_library:
                 engines["other"] = engine(
-                    models[n], adapters[s], args.threads, args.against_library
+                    models[n], adapters[s], args.threads, args.against_library, scattered=scattered
                 )[0]
             sets[n if len(saved) == 1 else f"{n}, saved {s}"] = (engines, loras)
     doc = run_doc(
@@ -302,6 +323,7 @@ def main(argv=None) -> int:
         adapter_dtype=args.adapter_dtype,
         saved=args.saved,
         against_library=args.against_library,
+        scattered_pages=scattered,
     )
     doc["exports"] = measure(sets, args.rounds)
     doc["loadavg_end"] = os.getloadavg()

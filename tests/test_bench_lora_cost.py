@@ -140,6 +140,23 @@ def test_engine_on_another_library_restores_the_environment(bench, monkeypatch, 
     assert seen == ["other.so", "mine.so"] and os.environ["ORT_LORA_LIBRARY"] == "mine.so"
 
 
+def test_scattered_engines_take_one_seeded_order_of_free_pages(bench, monkeypatch, tmp_path):
+    from ort_lora.engine.pool import PagePool
+
+    class Engine:
+        def __init__(self, model, config, intra_op_num_threads, seed):
+            self.pool = PagePool(50)
+
+        def add_lora(self, lora):
+            pass
+
+    monkeypatch.setattr("ort_lora.engine.llm_engine.LLMEngine", Engine)
+    plain = bench.engine(tmp_path, [], 2)[0].pool.free_pages()
+    one, two = (bench.engine(tmp_path, [], 2, scattered=True)[0] for _ in range(2))
+    assert plain == list(range(50)) and one.pool.free_pages() != plain
+    assert one.pool.free_pages() == two.pool.free_pages()  # twins see the same layout
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [

@@ -21,6 +21,22 @@ def test_allocate_and_free_kv():
         pool.free_kv([b[0], b[0]])
 
 
+def test_scatter_free_reorders_the_free_pages_only():
+    pool = PagePool(64)
+    held = pool.allocate_kv(4)
+    before = pool.free_pages()
+    pool.scatter_free(seed=3)
+    after = pool.free_pages()
+    assert sorted(after) == sorted(before) and after != before
+    assert pool.stats().kv_pages == 4 and pool.stats().free_pages == 60
+    assert pool.allocate_kv(3) == after[:3]  # handed out in the new order
+    assert set(held).isdisjoint(pool.free_pages())
+    again = PagePool(64)  # the same seed, the same order
+    again.allocate_kv(4)
+    again.scatter_free(seed=3)
+    assert again.free_pages() == after
+
+
 def test_exhausted_allocation_changes_nothing():
     pool = PagePool(8)
     pool.acquire_adapter("a", 2)

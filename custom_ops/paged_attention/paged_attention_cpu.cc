@@ -15,10 +15,12 @@
 #include "paged_attention/paged_attention_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "paged_attention/attention_block.h"
@@ -60,6 +62,7 @@ using paged_attention::UsesBlockForm;
 using paged_attention::WorkItem;
 
 constexpr int64_t kTokensPerChunk = 16;  // tokens per item of the prepare and write passes
+constexpr size_t kUnclaimed = 2;         // last items of the attention pass not claimed ahead
 
 // ---- pass 1: rotary and scale ------------------------------------------------------------
 
@@ -218,10 +221,12 @@ float* PartialRow(const Problem& p, const WorkItem& w, int64_t seg, int64_t r) {
 }
 
 // Every query row of item w over the keys of segment [lo, hi), tile by tile; the next tile's
-// runs are prefetched meanwhile.
+// runs are prefetched meanwhile, and with `after` (the thread's next item, given for w's last
+// segment) that item's first tile too, a share at each part of every tile.
 template <typename V, bool kBlock>
 ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t lo, int64_t hi,
-                                   std::vector<SoftmaxState>& st, float* spare) {
+                                   std::vector<SoftmaxState>& st, float* spare,
+                                   const WorkItem* after) {
   const auto& a = p.a;
   const int64_t d = a.head_size, parts = (w.q_end - w.q_begin) * a.num_heads;
   KeyRun runs[kTileKeys], next[kTileKeys];
@@ -245,6 +250,16 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
   }
   const auto tile_end = [&](int64_t j) { return std::min(hi, (j / kTileKeys + 1) * kTileKeys); };
   int64_t num_next = TileRuns(p, w, lo, tile_end(lo), next);
+  RunFetch ahead[kTileKeys];
+  int64_t num_ahead = 0, ahead_part = 0;
+  if (after != nullptr) {
+    KeyRun first[kTileKeys];
+    const int64_t b = after->ctx_begin;
+    const int64_t e = std::min<int64_t>(after->ctx_end, (b / kTileKeys + 1) * kTileKeys);
+    num_ahead = TileRuns(p, *after, b, e, first);
+    const int64_t tiles = (hi - 1) / kTileKeys - lo / kTileKeys + 1;
+    PlanFetches(first, num_ahead, p.row_stride, parts * tiles, ahead);
+  }
   for (int64_t j = lo; j < hi;) {
     const int64_t j1 = tile_end(j), num_runs = num_next;
     std::copy(next, next + num_next, runs);
@@ -254,9 +269,12 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
     // its query rows, where a token's heads in turn read all three (48 KB).
     for (int64_t kv = 0; kv < a.kv_num_heads; ++kv) {
       if constexpr (kBlock) {
-        for (int64_t t = 0; t < w.q_end - w.q_begin; ++t)
-          for (int64_t h = kv * p.group; h < (kv + 1) * p.group; ++h)
+        for (int64_t t = 0; t < w.q_end - w.q_begin; ++t) {
+          for (int64_t h = kv * p.group; h < (kv + 1) * p.group; ++h) {
             FetchPart(fetch, num_next, t * a.num_heads + h);
+            FetchPart(ahead, num_ahead, ahead_part++);
+          }
+        }
         BlockBuffers& b = BlockScratch();
         const float* q = b.qt.data() + kv * d * rows;
         AttendBlockBody<V>({p, w, kv, q, rows, runs, num_runs, j, j1, st, b.scores.data()});
@@ -270,6 +288,7 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
         const float* q = p.q + (a.cu_seqlens[w.seq] + t) * a.num_heads * d;  // [H, D]
         for (int64_t h = kv * p.group; h < (kv + 1) * p.group; ++h) {
           FetchPart(fetch, num_next, r0 + h);
+          FetchPart(ahead, num_ahead, ahead_part++);
           if (k0 >= k1) continue;
           AttendTile<V>(q + h * d, runs, num_runs, k0, k1, kv * d, p.row_stride, d, a.softcap,
                         st[r0 + h], spare);
@@ -284,23 +303,23 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
 // inlined into the item's function, the per-row form (decode) ran 2-7 % slower (the compiler's
 // choices for its loops changed).
 using SegmentFn = void (*)(const Problem&, const WorkItem&, int64_t, int64_t,
-                           std::vector<SoftmaxState>&, float*);
+                           std::vector<SoftmaxState>&, float*, const WorkItem*);
 #ifdef ORT_LORA_ISA_COPIES
 __attribute__((target("arch=x86-64-v4"),
                noinline)) void BlockSegmentAvx512(const Problem& p, const WorkItem& w, int64_t lo,
                                                   int64_t hi, std::vector<SoftmaxState>& st,
-                                                  float* spare) {
-  AttendSegment<V16, true>(p, w, lo, hi, st, spare);
+                                                  float* spare, const WorkItem* after) {
+  AttendSegment<V16, true>(p, w, lo, hi, st, spare, after);
 }
 __attribute__((target("arch=x86-64-v3"), noinline)) void BlockSegmentAvx2(
     const Problem& p, const WorkItem& w, int64_t lo, int64_t hi, std::vector<SoftmaxState>& st,
-    float* spare) {
-  AttendSegment<V8, true>(p, w, lo, hi, st, spare);
+    float* spare, const WorkItem* after) {
+  AttendSegment<V8, true>(p, w, lo, hi, st, spare, after);
 }
 __attribute__((noinline)) void BlockSegmentBase(const Problem& p, const WorkItem& w, int64_t lo,
                                                 int64_t hi, std::vector<SoftmaxState>& st,
-                                                float* spare) {
-  AttendSegment<V4, true>(p, w, lo, hi, st, spare);
+                                                float* spare, const WorkItem* after) {
+  AttendSegment<V4, true>(p, w, lo, hi, st, spare, after);
 }
 template <typename V>
 constexpr SegmentFn kBlockSegment = sizeof(V) == 64   ? BlockSegmentAvx512
@@ -310,8 +329,8 @@ constexpr SegmentFn kBlockSegment = sizeof(V) == 64   ? BlockSegmentAvx512
 template <typename V>
 __attribute__((noinline)) void BlockSegmentOne(const Problem& p, const WorkItem& w, int64_t lo,
                                                int64_t hi, std::vector<SoftmaxState>& st,
-                                               float* spare) {
-  AttendSegment<V, true>(p, w, lo, hi, st, spare);
+                                               float* spare, const WorkItem* after) {
+  AttendSegment<V, true>(p, w, lo, hi, st, spare, after);
 }
 template <typename V>
 constexpr SegmentFn kBlockSegment = BlockSegmentOne<V>;
@@ -321,7 +340,7 @@ constexpr SegmentFn kBlockSegment = BlockSegmentOne<V>;
 // (the merge folds them); a whole one accumulates its first segment in the output rows (as
 // Fold would copy it there) and folds the others into them as it goes.
 template <typename V>
-ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
+ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w, const WorkItem* after) {
   const int64_t d = p.a.head_size, rows = (w.q_end - w.q_begin) * p.a.num_heads;
   thread_local std::vector<SoftmaxState> st, folded;  // a segment's states; the folded ones
   thread_local std::vector<float> scratch;            // later segments' accumulators
@@ -342,10 +361,11 @@ ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
       st[r] = {kNegInf, 0.0f, acc};
       std::fill(acc, acc + d, 0.0f);
     }
+    const WorkItem* then = seg + 1 == count ? after : nullptr;
     if (block)
-      kBlockSegment<V>(p, w, lo, hi, st, spare.data());
+      kBlockSegment<V>(p, w, lo, hi, st, spare.data(), then);
     else
-      AttendSegment<V, false>(p, w, lo, hi, st, spare.data());
+      AttendSegment<V, false>(p, w, lo, hi, st, spare.data(), then);
     for (int64_t r = 0; r < rows; ++r) {
       if (w.partial >= 0) {
         st[r].acc[-2] = st[r].m;
@@ -364,15 +384,19 @@ ORT_LORA_INLINE void RunItemBody(const Problem& p, const WorkItem& w) {
 // One copy of the attention pass per instruction set, its vector width following the widest
 // registers (the AVX2 copy must not be the AVX-512 one split in halves: its 16-key score
 // tiles would need 32 of AVX2's 16 registers).
-using ItemFn = void (*)(const Problem&, const WorkItem&);
+using ItemFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
 #ifdef ORT_LORA_ISA_COPIES
-__attribute__((target("arch=x86-64-v4"))) void RunItemAvx512(const Problem& p, const WorkItem& w) {
-  RunItemBody<V16>(p, w);
+__attribute__((target("arch=x86-64-v4"))) void RunItemAvx512(const Problem& p, const WorkItem& w,
+                                                             const WorkItem* after) {
+  RunItemBody<V16>(p, w, after);
 }
-__attribute__((target("arch=x86-64-v3"))) void RunItemAvx2(const Problem& p, const WorkItem& w) {
-  RunItemBody<V8>(p, w);
+__attribute__((target("arch=x86-64-v3"))) void RunItemAvx2(const Problem& p, const WorkItem& w,
+                                                           const WorkItem* after) {
+  RunItemBody<V8>(p, w, after);
 }
-void RunItemBase(const Problem& p, const WorkItem& w) { RunItemBody<V4>(p, w); }
+void RunItemBase(const Problem& p, const WorkItem& w, const WorkItem* after) {
+  RunItemBody<V4>(p, w, after);
+}
 
 // The widest ISA the CPU has, capped by ORT_LORA_ATTENTION_ISA (avx512 | avx2 | baseline) so
 // that tests can run the narrower copies on a machine that has AVX-512.
@@ -454,23 +478,41 @@ void LocateTokens(Problem& p) {
 void PagedAttentionCpu(const PagedAttentionArgs& a, const ParallelFor& parallel_for) {
   if (a.num_tokens == 0) return;
   const int64_t group = a.num_heads / a.kv_num_heads;
-  std::vector<float> q(a.num_tokens * a.num_heads * a.head_size);
-  std::vector<float> k(a.rotary_half ? a.num_tokens * a.kv_num_heads * a.head_size : 0);
+  // Scratch written in full before it is read: not zeroed first.
+  const std::unique_ptr<float[]> q(new float[a.num_tokens * a.num_heads * a.head_size]);
+  const std::unique_ptr<float[]> k(
+      new float[a.rotary_half ? a.num_tokens * a.kv_num_heads * a.head_size : 0]);
   Problem p{
-      a,  group, a.kv_num_heads * a.head_size, q.data(), a.rotary_half ? k.data() : a.key, nullptr,
+      a,  group, a.kv_num_heads * a.head_size, q.get(), a.rotary_half ? k.get() : a.key, nullptr,
       {}, {}};
   LocateTokens(p);
   const size_t token_chunks = CeilDiv(a.num_tokens, kTokensPerChunk);
   parallel_for(token_chunks, [&](size_t c) {
     const int64_t t0 = c * kTokensPerChunk, t1 = std::min(a.num_tokens, t0 + kTokensPerChunk);
-    PrepareRows(p, a.query, q.data(), a.num_heads, a.scale, t0, t1);
-    if (a.rotary_half) PrepareRows(p, a.key, k.data(), a.kv_num_heads, 1.0f, t0, t1);
+    PrepareRows(p, a.query, q.get(), a.num_heads, a.scale, t0, t1);
+    if (a.rotary_half) PrepareRows(p, a.key, k.get(), a.kv_num_heads, 1.0f, t0, t1);
   });
   const Plan plan = MakePlan(a, group);
-  std::vector<float> partials(plan.partial_floats);
-  p.partials = partials.data();
+  const std::unique_ptr<float[]> partials(new float[plan.partial_floats]);
+  p.partials = partials.get();
   static const ItemFn run_item = SelectRunItem();
-  parallel_for(plan.items.size(), [&](size_t i) { run_item(p, plan.items[i]); });
+  const size_t n = plan.items.size();
+  if (a.num_tokens > a.num_seqs) {  // a prompt: its items share their keys, which stay cached
+    parallel_for(n, [&](size_t i) { run_item(p, plan.items[i], nullptr); });
+  } else {
+    // Decode: each thread claims its next item before it runs the current one, which fetches
+    // the next one's first tile meanwhile (a decode item is one token over a context of often
+    // one or two tiles, whose first tile would otherwise wait on memory). The last kUnclaimed
+    // items are not claimed ahead, so that no thread idles at the end while another holds two.
+    std::atomic<size_t> claimed{0};
+    parallel_for(n, [&](size_t) {
+      for (size_t i = claimed.fetch_add(1); i < n;) {
+        const size_t j = i + kUnclaimed < n ? claimed.fetch_add(1) : n;
+        run_item(p, plan.items[i], j < n ? &plan.items[j] : nullptr);
+        i = j < n ? j : claimed.fetch_add(1);
+      }
+    });
+  }
   parallel_for(plan.splits.size(), [&](size_t i) { MergeSplits(p, plan, plan.splits[i]); });
   parallel_for(token_chunks, [&](size_t c) {
     const int64_t t0 = c * kTokensPerChunk;

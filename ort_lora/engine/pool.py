@@ -58,6 +58,7 @@ Adapter ids are any hashable value chosen by the engine (e.g. LoRARequest.lora_i
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -128,6 +129,14 @@ class PagePool:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def scatter_free(self, seed: int = 0) -> None:
+        """Puts the free pages in a random order (seeded), as they lie in a pool after many
+        requests have come and gone: blocks handed out next are then scattered over the pool
+        rather than in order (benchmarks: `bench/bench_lora_cost.py --scattered-pages`)."""
+        pages = list(self._free)
+        random.Random(seed).shuffle(pages)
+        self._free = deque(pages)
 
     def can_allocate(self, n: int) -> bool:
         """True if n pages can be obtained (free pages + pages of idle adapters)."""
