@@ -197,10 +197,11 @@ ORT_LORA_INLINE void ShrinkTile(const float* x, int64_t ldx, const void* const* 
   constexpr int64_t kLineElems = 64 / sizeof(R);
   const R* a[NR];
   for (int j = 0; j < NR; ++j) a[j] = Values<R>(a_rows[j]);
+  constexpr int64_t kStepBytes = NR * kLanes * static_cast<int64_t>(sizeof(R));
   V acc[MR][NR] = {};
   int64_t kk = k0;
   for (; kk + kLanes <= k1; kk += kLanes) {
-    IssueStep<NR * kLanes* static_cast<int64_t>(sizeof(R))>(ahead, (kk - k0) / kLanes);
+    IssueStep<kStepBytes>(ahead, (kk - k0) / kLanes);
     V xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = Load<V>(x + i * ldx + kk);
     for (int j = 0; j < NR; ++j) {
@@ -227,11 +228,12 @@ ORT_LORA_INLINE void ExpandTile(const float* v, int64_t ldv, const void* const* 
                                 const R* dora, float dora_scale, int64_t c, const float* y,
                                 float* y_out, int64_t ldy, RowReadAhead* ahead = nullptr) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  constexpr int64_t kStepBytes = NQ * kLanes * static_cast<int64_t>(sizeof(R));
   V acc[MR][NQ];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NQ; ++q) acc[i][q] = Load<V>(y + i * ldy + c + q * kLanes);
   for (int64_t j = 0; j < r; ++j) {
-    IssueStep<NQ * kLanes* static_cast<int64_t>(sizeof(R))>(ahead, j);
+    IssueStep<kStepBytes>(ahead, j);
     V b[NQ];
     const R* bt_j = Values<R>(bt[j]);
     for (int64_t off = 0; off < NQ * kLanes; off += 64 / sizeof(R)) ReadAhead(bt_j + c + off);
