@@ -302,20 +302,19 @@ def main(argv=None) -> int:
     models, adapters = build(Path(args.cache_dir), names, args.adapter_dtype, saved)
     share_one_pool(args.threads)  # the engines, timed in turn, on one thread pool
     sets = {}
-    scattered = args.scattered_pages
+
+    def make(model, served, library=None):
+        return engine(model, served, args.threads, library, scattered=args.scattered_pages)
+
     for n in names:  # engines of each export: one per adapter set, and one for the base
-        base = {"base": engine(models[n], [], args.threads, scattered=scattered)[0]}
+        base = {"base": make(models[n], [])[0]}
         if args.against_library:
-            base["other base"] = engine(
-                models[n], [], args.threads, args.against_library, scattered=scattered
-            )[0]
+            base["other base"] = make(models[n], [], args.against_library)[0]
         for s in saved:
-            mixed, loras = engine(models[n], adapters[s], args.threads, scattered=scattered)
+            mixed, loras = make(models[n], adapters[s])
             engines = {"mixed": mixed, **base}
             if args.against_library:
-                engines["other"] = engine(
-                    models[n], adapters[s], args.threads, args.against_library, scattered=scattered
-                )[0]
+                engines["other"] = make(models[n], adapters[s], args.against_library)[0]
             sets[n if len(saved) == 1 else f"{n}, saved {s}"] = (engines, loras)
     doc = run_doc(
         "bench_lora_cost.py",
@@ -323,7 +322,7 @@ def main(argv=None) -> int:
         adapter_dtype=args.adapter_dtype,
         saved=args.saved,
         against_library=args.against_library,
-        scattered_pages=scattered,
+        scattered_pages=args.scattered_pages,
     )
     doc["exports"] = measure(sets, args.rounds)
     doc["loadavg_end"] = os.getloadavg()

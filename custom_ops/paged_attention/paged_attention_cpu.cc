@@ -220,6 +220,11 @@ float* PartialRow(const Problem& p, const WorkItem& w, int64_t seg, int64_t r) {
   return p.partials + w.partial + (seg * rows + r) * width;
 }
 
+// The end of the tile that holds key j, keys past `end` left out.
+ORT_LORA_INLINE int64_t TileEnd(int64_t j, int64_t end) {
+  return std::min(end, (j / kTileKeys + 1) * kTileKeys);
+}
+
 // Every query row of item w over the keys of segment [lo, hi), tile by tile; the next tile's
 // runs are prefetched meanwhile, and with `after` (the thread's next item, given for w's last
 // segment) that item's first tile too, a share at each part of every tile.
@@ -248,22 +253,20 @@ ORT_LORA_INLINE void AttendSegment(const Problem& p, const WorkItem& w, int64_t 
       }
     }
   }
-  const auto tile_end = [&](int64_t j) { return std::min(hi, (j / kTileKeys + 1) * kTileKeys); };
-  int64_t num_next = TileRuns(p, w, lo, tile_end(lo), next);
+  int64_t num_next = TileRuns(p, w, lo, TileEnd(lo, hi), next);
   RunFetch ahead[kTileKeys];
   int64_t num_ahead = 0, ahead_part = 0;
   if (after != nullptr) {
     KeyRun first[kTileKeys];
     const int64_t b = after->ctx_begin;
-    const int64_t e = std::min<int64_t>(after->ctx_end, (b / kTileKeys + 1) * kTileKeys);
-    num_ahead = TileRuns(p, *after, b, e, first);
+    num_ahead = TileRuns(p, *after, b, TileEnd(b, after->ctx_end), first);
     const int64_t tiles = (hi - 1) / kTileKeys - lo / kTileKeys + 1;
     PlanFetches(first, num_ahead, p.row_stride, parts * tiles, ahead);
   }
   for (int64_t j = lo; j < hi;) {
-    const int64_t j1 = tile_end(j), num_runs = num_next;
+    const int64_t j1 = TileEnd(j, hi), num_runs = num_next;
     std::copy(next, next + num_next, runs);
-    num_next = j1 < hi ? TileRuns(p, w, j1, tile_end(j1), next) : 0;
+    num_next = j1 < hi ? TileRuns(p, w, j1, TileEnd(j1, hi), next) : 0;
     PlanFetches(next, num_next, p.row_stride, parts, fetch);
     // One kv head at a time: its rows of the tile (16 KB for SmolLM2) stay in L1 for all of
     // its query rows, where a token's heads in turn read all three (48 KB).
@@ -481,7 +484,7 @@ void PagedAttentionCpu(const PagedAttentionArgs& a, const ParallelFor& parallel_
   // Scratch written in full before it is read: not zeroed first.
   const std::unique_ptr<float[]> q(new float[a.num_tokens * a.num_heads * a.head_size]);
   const std::unique_ptr<float[]> k(
-      new float[a.rotary_half ? a.num_tokens * a.kv_num_heads * a.head_size : 0]);
+      a.rotary_half ? new float[a.num_tokens * a.kv_num_heads * a.head_size] : nullptr);
   Problem p{
       a,  group, a.kv_num_heads * a.head_size, q.get(), a.rotary_half ? k.get() : a.key, nullptr,
       {}, {}};
