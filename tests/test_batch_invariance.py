@@ -45,8 +45,8 @@ def _scores(out) -> list:
 
 @pytest.fixture(scope="module")
 def models(tiny_row_exports, tiny_quant_export) -> dict:
-    """Exports by base weights and adapter row type (rows of long segments are widened to
-    float32 before the products, those of short ones are not)."""
+    """Exports by base weights and adapter row type (16-bit and int8 rows are converted as
+    the kernels load them; the baseline kernels widen long segments' rows first)."""
     rows = {f"float32, {t} rows": tiny_row_exports[t] for t in ("bfloat16", "float16", "int8")}
     return {"float32": tiny_row_exports["float32"], "int4": tiny_quant_export("int4", 4), **rows}
 

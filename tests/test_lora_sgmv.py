@@ -254,8 +254,9 @@ def case_in_both_caches(rng, *case, draws=30):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @each_dtype
 def test_segment_layouts(dtype, layout, rng):
-    """Decode (one row per adapter: bfloat16 rows widened as loaded) and prefill (segments of
-    >= 8 rows: bfloat16 rows widened once per call) layouts; with >= 16 rows, rows in K and V."""
+    """Decode (one row per adapter) and prefill (segments of >= 8 rows: the baseline kernels
+    widen 16-bit and int8 rows once per call, the others as they load) layouts; with >= 16
+    rows, rows in K and V."""
     seg_lens, seg_slots, slot_ranks = LAYOUTS[layout](rng)
     # int8 rows take a quarter of the pool elements: 4x the features fill key_cache as well
     widths = (256, 768) if dtype == "int8" else (64, 192)
@@ -297,8 +298,9 @@ def test_unused_slot_offsets_are_not_read(dtype, rng):
 @pytest.mark.parametrize("in_f", [64, 37])
 def test_float16_rows_widen_every_magnitude_exactly(in_f, rng):
     """float16 rows holding values from subnormals (2^-24) to 2^16, either sign: decode rows
-    (converted as loaded, 16 or 8 lanes at a time), a prefill segment (widened once per call)
-    and odd lengths (the scalar tail) all read the values the reference decodes."""
+    (converted as loaded, 16 or 8 lanes at a time), a prefill segment (as loaded; the
+    baseline kernels widen it once per call) and odd lengths (the scalar tail) all read the
+    values the reference decodes."""
     feeds = make_case(rng, "float16", [1, 1, 12, 1], [0, 1, 2, -1], [8, 4, 16], in_f, 96)
     halves = [feeds[c].reshape(-1).view("<u2") for c in ("key_cache", "value_cache")]
     size = feeds["key_cache"].size

@@ -502,15 +502,6 @@ void ExpandBase(SgmvCpuPlan& p, size_t i, RowReadAhead* ahead) {
   ExpandItem<V4, R>(p, i, ahead);
 }
 template <typename R>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void WidenAvx512(SgmvCpuPlan& p, size_t i,
-                                                                      RowReadAhead*) {
-  WidenItemBody<V16, R>(p, i);
-}
-template <typename R>
-__attribute__((target("avx2,fma"))) void WidenAvx2(SgmvCpuPlan& p, size_t i, RowReadAhead*) {
-  WidenItemBody<V8, R>(p, i);
-}
-template <typename R>
 void WidenBase(SgmvCpuPlan& p, size_t i, RowReadAhead*) {
   WidenItemBody<V4, R>(p, i);
 }
@@ -518,7 +509,7 @@ void WidenBase(SgmvCpuPlan& p, size_t i, RowReadAhead*) {
 // An item of a pass; the read-ahead of its decode group, or null (widen: always null).
 using ItemFn = void (*)(SgmvCpuPlan&, size_t, RowReadAhead*);
 struct PassFns {
-  ItemFn widen;  // bfloat16, float16 and int8 rows only
+  ItemFn widen;  // baseline bfloat16, float16 and int8 rows only (lora_sgmv_plan.h)
   ItemFn shrink;
   ItemFn expand;
 };
@@ -538,14 +529,14 @@ Kernels SelectKernels() {
   const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
     return {{nullptr, ShrinkAvx512<float>, ExpandAvx512<float>},
-            {WidenAvx512<uint16_t>, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>},
-            {WidenAvx512<Half>, ShrinkAvx512<Half>, ExpandAvx512<Half>},
-            {WidenAvx512<int8_t>, ShrinkAvx512<int8_t>, ExpandAvx512<int8_t>}};
+            {nullptr, ShrinkAvx512<uint16_t>, ExpandAvx512<uint16_t>},
+            {nullptr, ShrinkAvx512<Half>, ExpandAvx512<Half>},
+            {nullptr, ShrinkAvx512<int8_t>, ExpandAvx512<int8_t>}};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {{nullptr, ShrinkAvx2<float>, ExpandAvx2<float>},
-            {WidenAvx2<uint16_t>, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>},
-            {WidenAvx2<Half>, ShrinkAvx2<Half>, ExpandAvx2<Half>},
-            {WidenAvx2<int8_t>, ShrinkAvx2<int8_t>, ExpandAvx2<int8_t>}};
+            {nullptr, ShrinkAvx2<uint16_t>, ExpandAvx2<uint16_t>},
+            {nullptr, ShrinkAvx2<Half>, ExpandAvx2<Half>},
+            {nullptr, ShrinkAvx2<int8_t>, ExpandAvx2<int8_t>}};
   return {{nullptr, ShrinkBase<float>, ExpandBase<float>},
           {WidenBase<uint16_t>, ShrinkBase<uint16_t>, ExpandBase<uint16_t>},
           {WidenBase<Half>, ShrinkBase<Half>, ExpandBase<Half>},
@@ -578,11 +569,11 @@ SgmvCpuPlan& CallerPlan() {
 void LoraSgmvCpu(const SgmvProblem& problem, const ParallelFor& parallel_for) {
   static const Kernels kernels = SelectKernels();
   SgmvCpuPlan& plan = CallerPlan();
-  PlanSgmvCpu(problem, plan);
   const PassFns& fns = problem.row_type == SgmvRowLayout::kBFloat16Pairs  ? kernels.bf16
                        : problem.row_type == SgmvRowLayout::kFloat16Pairs ? kernels.f16
                        : problem.row_type == SgmvRowLayout::kInt8Scaled   ? kernels.i8
                                                                           : kernels.f32;
+  PlanSgmvCpu(problem, plan, fns.widen != nullptr);
   auto pass = [&plan](ItemFn fn) { return [&plan, fn](size_t i) { fn(plan, i, nullptr); }; };
   RunPass(plan.widen.size(), plan.widen_cost, parallel_for, pass(fns.widen));
   if (plan.fused.empty()) {

@@ -17,10 +17,10 @@
 // (tests use it to run the narrower kernels). Each clone exists for float32, bfloat16, float16
 // and int8 rows; 16-bit and int8 rows are widened to float32 as they are loaded (int8: the rows'
 // scales folded into the shrink scale, v[t, j] = scale_j * sA_j * sB_j * x[t] . qA_j, and a
-// DoRA row's scale applied as D is loaded), or, for segments of 8+ rows (prefill), once per
-// call into aligned scratch (lora_sgmv_plan.h). Accumulation: float32. Rows are read with the
-// hardware prefetchers only: software prefetches of a decode segment's scattered rows filled
-// the line fill buffers and cost 20 % of an int8 call.
+// DoRA row's scale applied as D is loaded); the baseline clone widens the rows of segments of
+// 8+ rows (prefill) once per call into aligned scratch instead (lora_sgmv_plan.h).
+// Accumulation: float32. A decode group asks for the rows it reads next a few lines at a time
+// as it computes (lora_sgmv_read_ahead.h).
 #pragma once
 
 #include "common/parallel_for.h"

@@ -73,8 +73,9 @@ void PlaceWideRows(const SgmvProblem& p, int64_t lda, float* at, const void** ne
   s.bt_rows = next + s.rank;
 }
 
-// Picks the segments to widen and points their rows (in plan.segs) at their scratch rows.
-void PlanWiden(SgmvCpuPlan& plan) {
+// Picks the segments to widen (none unless `widen`) and points their rows (in plan.segs) at
+// their scratch rows.
+void PlanWiden(SgmvCpuPlan& plan, bool widen) {
   const SgmvProblem& p = *plan.p;
   plan.segs.assign(p.segments.begin(), p.segments.end());
   plan.wide_base.assign(p.segments.size(), -1);
@@ -82,7 +83,7 @@ void PlanWiden(SgmvCpuPlan& plan) {
   plan.widen_cost = 0;
   plan.wide_storage.reset();
   plan.wide_values = nullptr;
-  if (p.row_type == SgmvRowLayout::kPoolType) return;
+  if (!widen || p.row_type == SgmvRowLayout::kPoolType) return;
   plan.lda = CeilDiv(p.in_features, 16) * 16;
   int64_t rows = 0;
   for (size_t i = 0; i < p.segments.size(); ++i) {
@@ -192,7 +193,7 @@ void PlanFused(SgmvCpuPlan& plan) {
 
 }  // namespace
 
-void PlanSgmvCpu(const SgmvProblem& problem, SgmvCpuPlan& plan) {
+void PlanSgmvCpu(const SgmvProblem& problem, SgmvCpuPlan& plan, bool widen) {
   plan.p = &problem;
   plan.v_base.clear();
   int64_t v_size = 0;
@@ -201,7 +202,7 @@ void PlanSgmvCpu(const SgmvProblem& problem, SgmvCpuPlan& plan) {
     v_size += Rows(s) * s.rank;
   }
   plan.v.resize(v_size);
-  PlanWiden(plan);
+  PlanWiden(plan, widen);
   const bool fused = FuseSegments(problem);
   PlanShrink(plan, fused);
   PlanExpand(plan, fused);

@@ -2,8 +2,8 @@
 // short segments) and a prefill call (few long segments) both give the thread pool work of
 // about equal cost. No ONNX Runtime types; used by lora_sgmv_cpu.cc only.
 //
-// Passes, in order: widen (16-bit or int8 rows of long segments -> float32 scratch, one item
-// per segment), shrink (v = scales * x A^T over every
+// Passes, in order: widen (baseline kernels only: 16-bit or int8 rows of long segments ->
+// float32 scratch, one item per segment), shrink (v = scales * x A^T over every
 // module's A rows), expand (per module: y_out = (y + v B^T) (1 + D), and copies of the rows
 // left as y when y_out is another buffer). Decode calls (many short segments) run shrink and
 // expand as one pass of per-segment groups (SgmvCpuGroup).
@@ -56,9 +56,12 @@ struct SgmvCpuPlan {
   int64_t expand_cost = 0;
 };
 
-// Long bfloat16, float16 and int8 segments (prefill) are widened to float32 once per call and run
-// the float32 tiles: a value is converted once, not once per tile of x rows. Short ones (decode)
-// convert as they load, reading a half or a quarter of the bytes.
+// With kernels that convert lanes one at a time (the baseline clone: no vcvtph2ps, bfloat16 and
+// int8 through SSE2 unpacks), long bfloat16, float16 and int8 segments (prefill) are widened to
+// float32 once per call and run the float32 tiles: a value is converted once, not once per
+// tile of x rows. The AVX2 and AVX-512 kernels convert 8 or 16 lanes as they load at every
+// length: widening made them 1.1-2.5x slower from 8 to 128 rows (the pass runs a segment on
+// one thread and writes twice the bytes it reads) and gained nothing at 512-2,048 (Zen 4).
 constexpr int64_t kWidenMinRows = 8;
 constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened rows per call
 // Shrink and expand run as one pass of per-segment groups when there are at least this many
@@ -67,7 +70,8 @@ constexpr int64_t kWidenMaxValues = int64_t{16} << 20;  // 64 MiB of widened row
 constexpr int64_t kFuseMinSegments = 4;
 
 // The plan of one call into `plan`, whose vectors keep their capacity from the call before (a
-// decode step's calls then allocate nothing); `problem` must outlive it.
-void PlanSgmvCpu(const SgmvProblem& problem, SgmvCpuPlan& plan);
+// decode step's calls then allocate nothing); `problem` must outlive it. widen: the kernels
+// want long segments' rows widened (kWidenMinRows).
+void PlanSgmvCpu(const SgmvProblem& problem, SgmvCpuPlan& plan, bool widen);
 
 }  // namespace ort_lora

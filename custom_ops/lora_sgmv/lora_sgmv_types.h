@@ -18,7 +18,7 @@ namespace ort_lora {
 //   kInt8Scaled     const float*: the row's scale, then `len` int8 values q from the next byte
 //                   (value = scale * q); the shrink folds the scales of A and B^T rows into its
 //                   result, the expand applies a DoRA row's as it loads D, and the plan widens
-//                   the rows of long segments
+//                   the rows of long segments for the baseline kernels
 
 // One module of the call: its projection's output y and the LoRA output written from it.
 struct SgmvOutput {
