@@ -1,6 +1,7 @@
 """What LoRA costs beside the base model, measured in one process: 32 decode-heavy requests
-(8 prompt + 64 new tokens, EOS ignored) over 16 adapters (request i on adapter i % 16) against
-the same 32 requests with no adapter, on each export, in alternating rounds.
+(8 prompt + 64 new tokens, EOS ignored) over 16 adapters (request i on adapter i % 16; with
+--pattern skewed, Zipf popularity; identical, all on one) against the same 32 requests with no
+adapter, on each export, in alternating rounds.
 
     python bench/bench_lora_cost.py --out docs/bench/lora-cost/inprocess.json
     python bench/bench_lora_cost.py --exports int4 --rounds 8 --adapter-dtype int8
@@ -8,6 +9,7 @@ the same 32 requests with no adapter, on each export, in alternating rounds.
     python bench/bench_lora_cost.py --saved float32,float16  # both sets, in the same rounds
     python bench/bench_lora_cost.py --against-library OLD.so  # a kernel change, in turn
     python bench/bench_lora_cost.py --scattered-pages  # KV blocks scattered over the pool
+    python bench/bench_lora_cost.py --pattern identical  # every request on one adapter
 
 `ort-lora bench --experiments quant` times each row in a process of its own, one after
 another; on a VM whose speed moves from minute to minute (the int4 base read 742-1051 tok/s
@@ -48,6 +50,7 @@ from ort_lora.adapter_rows import AUTO, ROW_TYPES
 REQUESTS, ADAPTERS, PROMPT, NEW_TOKENS = 32, 16, 8, 64
 VOCAB = 49152  # SmolLM2's: the prompts' token ids are drawn from it
 EXPORTS = ("int4", "float32")
+PATTERNS = ("uniform", "skewed", "identical")  # --pattern: ort_lora.bench.workloads' patterns
 BASE_ROLES = ("base", "other base")  # the engines that serve the requests without adapters
 SAVED = ("float32", "float16", "bfloat16")  # the dtypes --saved can save the adapters in
 
@@ -106,13 +109,14 @@ def prompt_ids(tokens: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(100, VOCAB, tokens).tolist()
 
 
-def submit(eng, loras: list | None, tag: str) -> None:
-    """The benchmark's decode-heavy requests (its "uniform" workload: request i on adapter
-    i % 16; loras None: its "base" workload, the same prompts without adapters)."""
+def submit(eng, loras: list | None, tag: str, pattern: str = "uniform") -> None:
+    """The benchmark's decode-heavy requests, their adapters by `pattern` (of PATTERNS;
+    "uniform": request i on adapter i % 16; loras None: the "base" workload, the same prompts
+    without adapters)."""
     from ort_lora.bench.workloads import popularity_workload
     from ort_lora.sampling_params import SamplingParams
 
-    pattern = "uniform" if loras else "base"
+    pattern = pattern if loras else "base"
     work = popularity_workload(pattern, REQUESTS, PROMPT, NEW_TOKENS, VOCAB, ADAPTERS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i, r in enumerate(work.requests):
@@ -120,13 +124,16 @@ def submit(eng, loras: list | None, tag: str) -> None:
         eng.add_request(f"{tag}-{i}", list(r.prompt_ids), params, lora)
 
 
-def serve_in_turn(engines: dict, loras: list, tag: str) -> dict[str, float]:
+def serve_in_turn(
+    engines: dict, loras: list, tag: str, pattern: str = "uniform"
+) -> dict[str, float]:
     """Output tok/s of the 32 requests on each engine of `engines` (role -> engine: those of
-    BASE_ROLES serve them without adapters, the others over the 16 adapters; one export),
+    BASE_ROLES serve them without adapters, the others over the adapters by `pattern`; one
+    export),
     their steps taken in turn: each rate counts only its own engine's steps, and a change in
     the machine's speed falls on all alike."""
     for role, eng in engines.items():
-        submit(eng, None if role in BASE_ROLES else loras, f"{tag}-{role}")
+        submit(eng, None if role in BASE_ROLES else loras, f"{tag}-{role}", pattern)
     spent = step_in_turn(engines)[0]
     return {role: REQUESTS * NEW_TOKENS / t for role, t in spent.items()}
 
@@ -153,17 +160,17 @@ def step_in_turn(
     return spent, finished
 
 
-def measure(sets: dict, rounds: int) -> dict:
+def measure(sets: dict, rounds: int, pattern: str = "uniform") -> dict:
     """Per adapter set of an export: tok/s of each round for each engine (mixed, base and,
     with another library, other and other base: their twins) and the ratios: mixed / base
     (ratio), other / other base (other_ratio; other / base without an other base), and this
     build over the other (mixed_speedup: mixed / other, base_speedup: base / other base)."""
     runs = {n: {role: [] for role in engines} for n, (engines, _) in sets.items()}
     for name, (engines, loras) in sets.items():  # warm-up: every adapter's rows
-        serve_in_turn(engines, loras, f"warm-{name}")
+        serve_in_turn(engines, loras, f"warm-{name}", pattern)
     for r in tqdm(range(rounds), desc="rounds", unit="round"):
         for name, (engines, loras) in sets.items():
-            for role, rate in serve_in_turn(engines, loras, f"{name}-{r}").items():
+            for role, rate in serve_in_turn(engines, loras, f"{name}-{r}", pattern).items():
                 runs[name][role].append(rate)
     for run in runs.values():
         other_base = "other base" if "other base" in run else "base"
@@ -222,12 +229,18 @@ def run_doc(program: str, threads: int, **fields) -> dict:
     }
 
 
+def over(doc: dict) -> str:
+    """What the mixed engines serve: "16 adapters mixed", or the --pattern's name."""
+    pattern = doc.get("pattern", "uniform")
+    return "16 adapters mixed" if pattern == "uniform" else f"16 adapters, {pattern}"
+
+
 def report(doc: dict) -> str:
     lines = [
         f"LoRA cost in one process ({doc['cpu']}, {doc['isa']}, {doc['threads']} threads, "
         f"adapter rows {doc['adapter_dtype']}, adapters saved in {doc.get('saved', 'float32')}"
         f"{', pages scattered' if doc.get('scattered_pages') else ''}"
-        "): 16 adapters mixed / base, decode-heavy",
+        f"): {over(doc)} / base, decode-heavy",
         f"{'export':<22} {'median':>7}  rounds (mixed / base)                tok/s mixed, base",
     ]
     for name, run in doc["exports"].items():
@@ -261,7 +274,7 @@ def plot(doc: dict, path: Path) -> None:
             label = f"{name}, other library (median {run['median_other_ratio']:.2f})"
             ax.plot(rounds, run["other_ratio"], "x--", color=line.get_color(), label=label)
     ax.axhline(0.92, color="gray", linestyle="--", label="goal 0.92")
-    ax.set(xlabel="round", ylabel="16 adapters mixed / base", ylim=(0, 1.05))
+    ax.set(xlabel="round", ylabel=f"{over(doc)} / base", ylim=(0, 1.05))
     ax.set_title(f"LoRA cost per round, one process ({doc['isa']})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -285,6 +298,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="every engine's free pages in one random order, as in a pool after many requests "
         "have come and gone (requests' KV blocks then lie scattered over the pool)",
+    )
+    p.add_argument(
+        "--pattern",
+        default="uniform",
+        choices=PATTERNS,
+        help="the requests' adapters: uniform (request i on adapter i %% 16), skewed (Zipf "
+        "popularity), identical (all on the first)",
     )
     in_turn_options(p, 6, "alternating mixed / base rounds", "each engine gets a twin")
     args = p.parse_args(argv)
@@ -323,8 +343,9 @@ def main(argv=None) -> int:
         saved=args.saved,
         against_library=args.against_library,
         scattered_pages=args.scattered_pages,
+        pattern=args.pattern,
     )
-    doc["exports"] = measure(sets, args.rounds)
+    doc["exports"] = measure(sets, args.rounds, args.pattern)
     doc["loadavg_end"] = os.getloadavg()
     print(report(doc))
     save_doc(doc, args.out, plot)

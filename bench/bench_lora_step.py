@@ -3,7 +3,9 @@
 One ONNX graph holds the LoraSGMV calls of a decode step (30 layers x 7 modules, SmolLM2's
 shapes; each layer its own pool share, the adapters' rows at the same offsets in every layer as
 the engine places them), 32 rows over 16 adapters of rank 16 (request i on adapter i % 16;
---rows 1: one request decoding with one adapter, where the op's fixed cost per call shows):
+--rows 1: one request decoding with one adapter, where the op's fixed cost per call shows;
+--adapters N: the rows over the first N adapters, as many rows on each, so that each adapter's
+rows serve more requests, as a popular adapter's do):
 
   separate   one node per module (7 a layer), as exports before modules sharing x did
   fused      q/k/v in one node and gate/up in one (attribute modules: 4 nodes a layer)
@@ -21,7 +23,8 @@ rate over the machine's read bandwidth (numpy sums of a 512 MB buffer split over
 threads: the rows are only read, so 1.0 is as fast as memory goes), and the time reading the
 rows alone takes at that bandwidth (floor_ms: no kernel of this op can be faster).
 
-Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--rows 32] [--dtypes float32,int8]
+Usage: python bench/bench_lora_step.py [--threads N] [--reps 20] [--rows 32] [--adapters 16]
+       [--dtypes float32,int8]
        [--layouts separate,fused] [--cached] [--against-library SO]
        [--out results/bench_lora_step.json]
 """
@@ -162,11 +165,12 @@ def step_model(groups, dtype, layers: int, rows: int) -> bytes:
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
 
-def step_feeds(rng, dtype, rows: int) -> dict:
-    """The step's inputs: `rows` rows, request i on adapter i % 16, in segments by adapter (32
-    rows: 16 segments of 2; 1 row: one segment on adapter 0)."""
+def step_feeds(rng, dtype, rows: int, adapters: int = ADAPTERS) -> dict:
+    """The step's inputs: `rows` rows over the first `adapters` adapters (of the 16 placed), in
+    segments by adapter of equal length (32 rows over 16: 16 segments of 2; 1 row: one segment
+    on adapter 0)."""
     key, value, offsets = place(rng, dtype)
-    used = min(rows, ADAPTERS)
+    used = min(rows, adapters)
     feeds = {
         "x_h": aligned(rng.standard_normal((rows, HIDDEN), dtype=np.float32)),
         "x_i": aligned(rng.standard_normal((rows, INTER), dtype=np.float32)),
@@ -266,13 +270,21 @@ def row_bytes_per_step(dtype: str, adapters: int) -> int:
 
 
 def bench_dtype(
-    dtype: str, rows: int, reps: int, seed: int, layouts: list[str], cached: bool, against=None
+    dtype: str,
+    rows: int,
+    reps: int,
+    seed: int,
+    layouts: list[str],
+    cached: bool,
+    against=None,
+    adapters: int = ADAPTERS,
 ) -> dict:
     """For each layout (GROUPS: separate, fused), the step without adapters (base) and with
-    them, with `cached` the fused step on one layer's rows, and with `against` (another build
-    of the op library) that build's fused step, all in turn within every rep."""
+    them (the rows over `adapters` adapters), with `cached` the fused step on one layer's rows,
+    and with `against` (another build of the op library) that build's fused step, all in turn
+    within every rep."""
     rng = np.random.default_rng(seed)
-    mixed = step_feeds(rng, dtype, rows)
+    mixed = step_feeds(rng, dtype, rows, adapters)
     # every row without an adapter: one segment of slot -1
     base = mixed | {
         "seg_starts": np.array([0, rows], np.int32),
@@ -316,6 +328,12 @@ def main(argv=None) -> int:
         help="rows of the step (request i on adapter i %% 16; 1: one request on one adapter)",
     )
     parser.add_argument(
+        "--adapters",
+        type=int,
+        default=ADAPTERS,
+        help=f"the rows over this many adapters, 1 to {ADAPTERS} (as many rows on each)",
+    )
+    parser.add_argument(
         "--dtypes", default="float32,bfloat16,float16,int8", help="adapter row types"
     )
     parser.add_argument(
@@ -337,6 +355,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default="results/bench_lora_step.json", help="JSON output path")
     args = parser.parse_args(argv)
+    if not 1 <= args.adapters <= ADAPTERS:
+        parser.error(f"--adapters: 1 to {ADAPTERS}, got {args.adapters}")
     if args.against_library and "fused" not in args.layouts.split(","):
         parser.error("--against-library compares fused steps: keep fused in --layouts")
     share_one_pool()
@@ -347,7 +367,16 @@ def main(argv=None) -> int:
     for i, dtype in enumerate(args.dtypes.split(",")):
         print(f"[{i + 1}] LoraSGMV decode step, {dtype} rows ...", flush=True)
         rows.append(
-            bench_dtype(dtype, args.rows, args.reps, i, layouts, args.cached, args.against_library)
+            bench_dtype(
+                dtype,
+                args.rows,
+                args.reps,
+                i,
+                layouts,
+                args.cached,
+                args.against_library,
+                args.adapters,
+            )
         )
         rows[-1]["floor_ms"] = rows[-1]["row_mb"] / bandwidth
         for layout in layouts:

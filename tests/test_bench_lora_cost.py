@@ -45,6 +45,23 @@ def test_requests_go_to_adapter_i_mod_16_decode_heavy(bench):
     assert len({a[0] for a in eng.added}) == 32  # ids unique within a round
 
 
+def test_patterns_put_the_requests_on_popular_adapters(bench):
+    loras = [f"lora{i}" for i in range(16)]
+    identical, skewed = FakeEngine(), FakeEngine()
+    bench.submit(identical, loras, "t", "identical")
+    bench.submit(skewed, loras, "t", "skewed")
+    assert [a[3] for a in identical.added] == ["lora0"] * 32
+    chosen = [a[3] for a in skewed.added]
+    assert len(chosen) == 32 and 1 < len(set(chosen)) < 16
+    assert max(set(chosen), key=chosen.count) == "lora0"  # Zipf: the first is the most popular
+    base = FakeEngine()
+    bench.submit(base, None, "t", "identical")  # the base engines: no adapter whatever the pattern
+    assert [a[3] for a in base.added] == [None] * 32
+    doc = {"cpu": "c", "isa": "AVX2", "threads": 2, "adapter_dtype": "auto", "exports": {}}
+    assert "16 adapters mixed / base" in bench.report(doc)
+    assert "16 adapters, identical / base" in bench.report(doc | {"pattern": "identical"})
+
+
 class StepsEngine(FakeEngine):
     """Needs `steps` steps to finish; records them in a shared log."""
 
@@ -83,14 +100,14 @@ def test_rounds_and_ratios(bench, monkeypatch):
         "x-2": {"mixed": 80.0, "base": 100.0, "other": 70.0},
     }
 
-    def serve_in_turn(engines, loras, tag):
-        calls.append(tag)
+    def serve_in_turn(engines, loras, tag, pattern):
+        calls.append((tag, pattern))
         return speeds.get(tag, dict.fromkeys(engines, 1.0))
 
     monkeypatch.setattr(bench, "serve_in_turn", serve_in_turn)
     engines = {"mixed": FakeEngine(), "base": FakeEngine(), "other": FakeEngine()}
-    runs = bench.measure({"x": (engines, ["l"])}, rounds=3)
-    assert calls == ["warm-x", "x-0", "x-1", "x-2"]
+    runs = bench.measure({"x": (engines, ["l"])}, rounds=3, pattern="skewed")
+    assert calls == [(t, "skewed") for t in ("warm-x", "x-0", "x-1", "x-2")]
     assert runs["x"]["ratio"] == pytest.approx([0.6, 0.9, 0.8])
     assert runs["x"]["median_ratio"] == pytest.approx(0.8)
     assert runs["x"]["other_ratio"] == pytest.approx([0.5, 0.8, 0.7])
@@ -106,7 +123,7 @@ def test_twins_of_both_engines_give_each_builds_cost_and_the_speedups(bench, mon
         "x-0": {"mixed": 60.0, "base": 100.0, "other": 40.0, "other base": 80.0},
         "x-1": {"mixed": 45.0, "base": 50.0, "other": 30.0, "other base": 40.0},
     }
-    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag: speeds.get(tag, {}))
+    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag, pattern: speeds.get(tag, {}))
     engines = dict.fromkeys(("mixed", "base", "other", "other base"), FakeEngine())
     run = bench.measure({"x": (engines, ["l"])}, rounds=2)["x"]
     assert run["ratio"] == pytest.approx([0.6, 0.9])
@@ -118,7 +135,8 @@ def test_twins_of_both_engines_give_each_builds_cost_and_the_speedups(bench, mon
 
 
 def test_without_another_library_no_other_ratio(bench, monkeypatch):
-    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag: {"mixed": 1.0, "base": 2.0})
+    rates = {"mixed": 1.0, "base": 2.0}
+    monkeypatch.setattr(bench, "serve_in_turn", lambda e, loras, tag, pattern: rates)
     runs = bench.measure({"x": ({"mixed": FakeEngine(), "base": FakeEngine()}, ["l"])}, rounds=1)
     assert runs["x"]["ratio"] == [0.5] and "other_ratio" not in runs["x"]
 

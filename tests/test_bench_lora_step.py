@@ -52,6 +52,16 @@ def test_one_row_is_one_segment_on_adapter_0(bench_lora_step):
     assert feeds["x_h"].shape == (1, 576) and feeds["y_down"].shape == (1, 576)
 
 
+def test_adapters_spread_the_rows_over_the_first_ones(bench_lora_step):
+    import numpy as np
+
+    feeds = bench_lora_step.step_feeds(np.random.default_rng(0), "int8", 32, adapters=2)
+    assert feeds["seg_starts"].tolist() == [0, 16, 32] and feeds["seg_slots"].tolist() == [0, 1]
+    row = bench_lora_step.bench_dtype("int8", 32, 1, 0, ["fused"], False, adapters=1)
+    assert row["adapters"] == 1  # the rows' bytes are one adapter's
+    assert row["row_mb"] * 1e6 == pytest.approx(bench_lora_step.row_bytes_per_step("int8", 1))
+
+
 def test_against_library_refuses_a_build_that_computes_otherwise(
     bench_lora_step, other_build, monkeypatch
 ):
