@@ -7,6 +7,7 @@ SmolLM2-135M-Instruct) for each prompt length in turn.
     python bench/bench_prefill.py --prompts 250,500,1000,2000,4000 --rounds 5
     python bench/bench_prefill.py --against-library OLD.so  # a change to the ops, in turn
     python bench/bench_prefill.py --llama-cpp  # llama.cpp's llama-server on the same GGUF
+    python bench/bench_prefill.py --adapter upper --against-library OLD.so  # with a demo adapter
 
 With one request, its time to first token is its prompt's prefill: the projections grow with
 the prompt's length and attention with its square (every token attends to the tokens before
@@ -17,7 +18,8 @@ With --llama-cpp, llama.cpp's llama-server (built once into --cache-dir, as `ort
 --experiments gguf` builds it) serves the same prompts on the Q4_1 GGUF file the default model
 is exported from, with as many threads, one slot and its prompt cache off, after the engines
 in each round: its time is the wall clock of one /completion request (n_predict 1), HTTP
-included, the engines' that of their steps in the process.
+included, the engines' that of their steps in the process. With --adapter every prompt runs on
+that demo adapter (float16 rows, as `ort-lora serve` serves it): what LoRA adds to a prefill.
 Prints each round, the median time to first token and prefill rate per length, writes them
 (with the command, date, machine and load) as JSON and a plot of time against prompt length
 beside it.
@@ -43,33 +45,35 @@ from bench_lora_cost import (  # noqa: E402
     save_doc,
     step_in_turn,
 )
+from bench_one_request import ADAPTERS as DEMO_ADAPTERS  # noqa: E402
 
 PROMPTS = (500, 1000, 2000)  # --prompts' default
 MAX_PROMPT = 8000  # the engines' context holds prompts up to this many tokens
 
 
-def first_tokens(engines: dict, prompt: list[int], tag: str) -> dict[str, float]:
-    """One request of `prompt` and one new token on each engine (role -> engine), their steps
-    taken in turn: each engine's seconds to its first token."""
+def first_tokens(engines: dict, prompt: list[int], tag: str, lora=None) -> dict[str, float]:
+    """One request of `prompt` (on adapter `lora`, a LoRARequest, if given) and one new token
+    on each engine (role -> engine), their steps taken in turn: each engine's seconds to its
+    first token."""
     from ort_lora.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for role, eng in engines.items():
-        eng.add_request(f"{tag}-{role}", prompt, params)
+        eng.add_request(f"{tag}-{role}", prompt, params, lora)
     return step_in_turn(engines)[0]
 
 
 def one_round(
-    engines: dict, lengths: list[int], r: int, servers: dict | None = None
+    engines: dict, lengths: list[int], r: int, servers: dict | None = None, lora=None
 ) -> dict[str, dict[int, float]]:
     """Round r: a prompt of each length (ids seeded by round and length, the same for all) on
-    each engine, then on each of `servers` (role -> function of a prompt: its seconds to first
-    token): role -> length -> seconds to first token."""
+    each engine (on adapter `lora` if given), then on each of `servers` (role -> function of a
+    prompt: its seconds to first token): role -> length -> seconds to first token."""
     servers = servers or {}
     out = {role: {} for role in [*engines, *servers]}
     for n in lengths:
         prompt = prompt_ids(n, r * MAX_PROMPT + n)
-        for role, seconds in first_tokens(engines, prompt, f"{r}-{n}").items():
+        for role, seconds in first_tokens(engines, prompt, f"{r}-{n}", lora).items():
             out[role][n] = seconds
         for role, first_token in servers.items():
             out[role][n] = first_token(prompt)
@@ -181,7 +185,14 @@ def main(argv=None) -> int:
         help="also llama.cpp's llama-server on the same GGUF (built into --cache-dir if needed)",
     )
     p.add_argument("--cache-dir", default=".cache/bench", help="where llama.cpp is built")
+    p.add_argument(
+        "--adapter",
+        choices=DEMO_ADAPTERS,
+        help="every prompt on this demo adapter (ort-lora's engines only: not with --llama-cpp)",
+    )
     args = p.parse_args(argv)
+    if args.adapter and args.llama_cpp:
+        p.error("--adapter: llama.cpp would serve the prompts without it; leave out --llama-cpp")
     try:
         lengths = parse_lengths(args.prompts)
     except ValueError:
@@ -190,9 +201,19 @@ def main(argv=None) -> int:
 
     from bench_ops import share_one_pool
 
-    from ort_lora.server.default_model import default_gguf_path, ensure_default_model
+    from ort_lora.server.default_model import (
+        default_gguf_path,
+        demo_adapters,
+        ensure_default_model,
+    )
 
     model = ensure_default_model()
+    served = []
+    if args.adapter:
+        adapters = demo_adapters()
+        if args.adapter not in adapters:
+            raise SystemExit(f"the demo adapter {args.adapter!r} is not installed")
+        served = [adapters[args.adapter]]
     servers, doc_extra, stack = {}, {}, contextlib.ExitStack()
     if args.llama_cpp:
         from ort_lora.bench import llama_cpp_build
@@ -212,12 +233,16 @@ def main(argv=None) -> int:
         }
     share_one_pool(args.threads)  # the engines, stepped in turn, on one thread pool
     libraries = {"this": None} | ({"other": args.against_library} if args.against_library else {})
-    engines = {role: engine(model, [], args.threads, lib)[0] for role, lib in libraries.items()}
+    engines, lora = {}, None
+    for role, library in libraries.items():
+        engines[role], loras = engine(model, served, args.threads, library)
+        lora = loras[0] if loras else None
     doc = run_doc(
         "bench_prefill.py",
         args.threads,
         prompts=lengths,
         model=str(model),
+        adapter=args.adapter,
         against_library=args.against_library,
         **doc_extra,
     )
@@ -225,11 +250,11 @@ def main(argv=None) -> int:
     ttft = {role: {n: [] for n in lengths} for role in roles}
     with stack:
         warm = prompt_ids(64, 0)  # seed 0: no round's
-        first_tokens(engines, warm, "warm")
+        first_tokens(engines, warm, "warm", lora)
         for first_token in servers.values():
             first_token(warm)
         for r in range(args.rounds):
-            for role, by_len in one_round(engines, lengths, r, servers).items():
+            for role, by_len in one_round(engines, lengths, r, servers, lora).items():
                 for n, seconds in by_len.items():
                     ttft[role][n].append(seconds)
             print(f"round {r + 1}: " + "; ".join(

@@ -62,6 +62,15 @@ def test_every_round_prefills_new_prompts_the_same_on_every_engine(bench):
     assert len(set(ids)) == len(ids)
 
 
+def test_an_adapter_goes_with_every_prompt_on_every_engine(bench):
+    log = []
+    engines = {"this": Engine("this", log), "other": Engine("other", log)}
+    bench.one_round(engines, [100, 200], 0, lora="upper-request")
+    bench.first_tokens(engines, [1, 2, 3], "warm", "upper-request")
+    for eng in engines.values():
+        assert [a[3] for a in eng.added] == ["upper-request"] * 3
+
+
 def test_a_server_gets_the_round_s_prompts_after_the_engines(bench):
     log, seen = [], []
 
@@ -104,6 +113,8 @@ def test_prompts_are_seeded_token_ids_of_the_length_asked(bench):
         (["--prompts", "500,x"], "--prompts"),
         (["--prompts", "9000"], "--prompts"),
         (["--against-library", "/no/such/lib.so"], "--against-library"),
+        (["--adapter", "nosuch"], "--adapter"),
+        (["--adapter", "upper", "--llama-cpp"], "--adapter"),
     ],
 )
 def test_bad_arguments_name_the_option(bench, argv, says, capsys):
