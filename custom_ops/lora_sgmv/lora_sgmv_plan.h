@@ -56,8 +56,8 @@ struct SgmvCpuPlan {
   int64_t expand_cost = 0;
 };
 
-// With kernels that convert lanes one at a time (the baseline clone: no vcvtph2ps, bfloat16 and
-// int8 through SSE2 unpacks), long bfloat16, float16 and int8 segments (prefill) are widened to
+// With the baseline clone's kernels (SSE2: float16 converted lane by lane, bfloat16 and int8
+// through unpacks), long bfloat16, float16 and int8 segments (prefill) are widened to
 // float32 once per call and run the float32 tiles: a value is converted once, not once per
 // tile of x rows. The AVX2 and AVX-512 kernels convert 8 or 16 lanes as they load at every
 // length: widening made them 1.1-2.5x slower from 8 to 128 rows (the pass runs a segment on
