@@ -129,9 +129,8 @@ def serve_in_turn(
 ) -> dict[str, float]:
     """Output tok/s of the 32 requests on each engine of `engines` (role -> engine: those of
     BASE_ROLES serve them without adapters, the others over the adapters by `pattern`; one
-    export),
-    their steps taken in turn: each rate counts only its own engine's steps, and a change in
-    the machine's speed falls on all alike."""
+    export), their steps taken in turn: each rate counts only its own engine's steps, and a
+    change in the machine's speed falls on all alike."""
     for role, eng in engines.items():
         submit(eng, None if role in BASE_ROLES else loras, f"{tag}-{role}", pattern)
     spent = step_in_turn(engines)[0]
