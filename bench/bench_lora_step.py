@@ -303,9 +303,9 @@ def bench_dtype(
         check_one_layer(GROUPS["fused"], dtype, mixed, library=against)
         runs["other"] = step_runner(GROUPS["fused"], dtype, mixed, library=against)
     times = paired_times(list(runs.values()), reps, time.perf_counter, warmup=2)
-    adapters = len(mixed["seg_slots"])  # a segment per adapter
-    row_bytes = row_bytes_per_step(dtype, adapters)
-    row = {"dtype": dtype, "adapters": adapters, "row_mb": row_bytes / 1e6}
+    used = len(mixed["seg_slots"])  # a segment per adapter the rows use
+    row_bytes = row_bytes_per_step(dtype, used)
+    row = {"dtype": dtype, "adapters": used, "row_mb": row_bytes / 1e6}
     for kind, (median, best) in zip(runs, times, strict=True):
         row |= {f"{kind}_ms": median * 1e3, f"{kind}_min_ms": best * 1e3}
     for layout in layouts + ["cached"] * cached:

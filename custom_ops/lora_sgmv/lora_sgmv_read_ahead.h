@@ -32,9 +32,9 @@ class RowReadAhead {
 
   // Asks for the queue's next `lines` cache lines (fewer when it runs out). Callers ask for as
   // many lines as they are about to read themselves, a tile's step at a time: the queue then
-  // stays about one group ahead of the kernel (measured on a Zen 4 EPYC: twice as many, in
-  // bursts of a group or step by step, or into L1 as the kernel's own read-ahead does, was
-  // slower; bench/bench_lora_step.py).
+  // stays about one group ahead of the kernel (measured on a Zen 4 EPYC: a group's lines in
+  // one burst before it, twice as many lines, or lines into L1 as the kernel's own read-ahead
+  // does were each slower; bench/bench_lora_step.py).
   void Issue(int64_t lines) {
     for (; lines > 0 && span_ < spans_; --lines) {
       const Rows& r = rows_[span_];
